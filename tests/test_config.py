@@ -1,0 +1,64 @@
+"""YAML config: defaults, round trip, and errors that name the bad key."""
+
+import re
+
+import pytest
+
+from quads_megatron.config import QuadsConfig, QuadsConfigError, RACConfig, load_config
+
+
+def test_defaults_and_yaml_roundtrip(tmp_path):
+    cfg = QuadsConfig()
+    assert cfg.trainer.linears == ("fc1", "fc2") and cfg.rollout.rac.ratio == 0.125
+    p = tmp_path / "q.yaml"
+    p.write_text(
+        "trainer:\n  experts: [routed, shared]\n  layers: [2, 3]\n  scale_mode: row\n"
+        "rollout:\n  activation_scale: static\n  rac: {ratio: 0.5, selection: dynamic}\n"
+        "exclude: ['*.layers.0.*']\n"
+    )
+    got = load_config(p)
+    assert got.trainer.experts == ("routed", "shared") and got.trainer.layers == (2, 3)
+    assert got.rollout.rac.ratio == 0.5 and got.rollout.rac.selection == "dynamic"
+    assert QuadsConfig.from_dict(got.to_dict()) == got
+    assert got.trainer.wants_layer(2) and not got.trainer.wants_layer(1)
+
+
+@pytest.mark.parametrize(
+    "data,key",
+    [
+        ({"trainer": {"scale_mod": "row"}}, "trainer.scale_mod"),
+        ({"trainer": {"scale_mode": "col"}}, "trainer.scale_mode"),
+        ({"trainer": {"linears": ["fc3"]}}, "trainer.linears"),
+        ({"trainer": {"layers": [0]}}, "trainer.layers"),
+        ({"trainer": {"enabled": "yes"}}, "trainer.enabled"),
+        ({"rollout": {"rac": {"ratio": 1.5}}}, "rollout.rac.ratio"),
+        ({"rollout": {"rac": {"ratio": True}}}, "rollout.rac.ratio"),
+        ({"rollout": {"rac": {"selection": "magic"}}}, "rollout.rac.selection"),
+        ({"rollout": {"rac": {"colour": 1}}}, "rollout.rac.colour"),
+        ({"rollout": {"activation_scale": "x"}}, "rollout.activation_scale"),
+        ({"rollout": 3}, "rollout"),
+        ({"bogus": 1}, "bogus"),
+        ({"exclude": [1]}, "exclude"),
+    ],
+)
+def test_errors_name_the_key(data, key):
+    with pytest.raises(QuadsConfigError, match="^" + re.escape(key) + r"\b"):
+        QuadsConfig.from_dict(data)
+
+
+def test_bad_yaml_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("trainer: [unclosed\n")
+    with pytest.raises(QuadsConfigError, match="not valid YAML"):
+        load_config(p)
+    p.write_text("- a\n- b\n")
+    with pytest.raises(QuadsConfigError, match="top level must be a mapping"):
+        load_config(p)
+
+
+@pytest.mark.parametrize(
+    "ratio,k,want",
+    [(0, 2048, 0), (0.125, 2048, 256), (0.5, 768, 384), (0.01, 2048, 32), (1.0, 48, 48), (0.3, 48, 16)],
+)
+def test_rac_channel_count_is_16_aligned(ratio, k, want):
+    assert RACConfig(ratio=ratio).num_channels(k) == want  # ceil(ratio*k) rounded up to 16, capped at k
