@@ -17,8 +17,9 @@ import triton.language as tl
 from quads_megatron import nvfp4
 from quads_megatron.nvfp4 import NVFP4Tensor, ScaleMode
 
-FP32_MAX = 3.4028234663852886e38
-ONE_SIXTH_FP32 = 0.16666667163372040  # fp32(1/6), as TE folds it into the global multiplier
+# globals read inside @triton.jit functions must be tl.constexpr
+FP32_MAX = tl.constexpr(3.4028234663852886e38)
+ONE_SIXTH_FP32 = tl.constexpr(0.16666667163372040)  # fp32(1/6), as TE folds it into the global multiplier
 
 
 @triton.jit
@@ -29,7 +30,7 @@ def e4m3_rne(v):
     magic = ((e + 147) << 23).to(tl.float32, bitcast=True)  # 2^(e+20): ulp = 2^(e-3)
     r = (v + magic) - magic
     rb = r.to(tl.int32, bitcast=True)
-    normal_code = ((((rb >> 23) - 127 + 7) << 3) | ((rb >> 20) & 7))
+    normal_code = (((rb >> 23) - 127 + 7) << 3) | ((rb >> 20) & 7)
     sub_code = (r * 512.0).to(tl.int32)
     return r, tl.where(r >= 0.015625, normal_code, sub_code)
 
@@ -72,9 +73,17 @@ def nvfp4_block_encode(x0, x1, s_enc, s_dec, BLOCK_M: tl.constexpr, BLOCK_K: tl.
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, s_enc_ptr, s_dec_ptr, codes_ptr, scales_ptr,
-    M, K, stride_xm, s_stride,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    s_enc_ptr,
+    s_dec_ptr,
+    codes_ptr,
+    scales_ptr,
+    M,
+    K,
+    stride_xm,
+    s_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     HALF: tl.constexpr = BLOCK_K // 2
     NB: tl.constexpr = BLOCK_K // 16
@@ -131,8 +140,17 @@ def quantize(
     scales = torch.empty((m, k // 16), dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     _quantize_kernel[grid](
-        x2, s_enc_flat, s_dec_flat, codes, scales, m, k, x2.stride(0), s_stride,
-        BLOCK_M=block_m, BLOCK_K=block_k,
+        x2,
+        s_enc_flat,
+        s_dec_flat,
+        codes,
+        scales,
+        m,
+        k,
+        x2.stride(0),
+        s_stride,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
     )
     lead = x.shape[:-1]
     gshape = s_dec.reshape(()) if scale_mode == "tensor" else s_dec.reshape(*lead, 1)

@@ -99,7 +99,9 @@ def _spec_for(module: torch.nn.Module) -> FakeQuantSpec | None:
 
 def _fq(module: torch.nn.Module, w: torch.Tensor, spec: FakeQuantSpec) -> torch.Tensor:
     assert STATE.config is not None
-    fused = bool(getattr(module, "gradient_accumulation_fusion", False) or getattr(module, "fuse_wgrad_accumulation", False))
+    fused = bool(
+        getattr(module, "gradient_accumulation_fusion", False) or getattr(module, "fuse_wgrad_accumulation", False)
+    )
     return fake_quant_weight(w, spec, cache=STATE.config.trainer.cache_qdq, fused_wgrad=fused)
 
 

@@ -18,7 +18,9 @@ __version__ = "0.1.0"
 __all__ = ["apply", "remove", "is_applied", "QuadsConfig", "QuadsConfigError", "load_config", "__version__"]
 
 
-def apply(config: QuadsConfig | dict[str, Any] | str | os.PathLike[str] | None = None, model: Any = None) -> QuadsConfig:
+def apply(
+    config: QuadsConfig | dict[str, Any] | str | os.PathLike[str] | None = None, model: Any = None
+) -> QuadsConfig:
     """Patch Megatron-Core MoE experts for asymmetric NVFP4 QAT (idempotent).
 
     config: QuadsConfig, dict, YAML path, or None (then $QUADS_CONFIG, else defaults).

@@ -259,9 +259,7 @@ def to_modelopt(t: NVFP4Tensor) -> dict[str, torch.Tensor]:
     }
 
 
-def from_modelopt(
-    weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor
-) -> NVFP4Tensor:
+def from_modelopt(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> NVFP4Tensor:
     """Inverse of to_modelopt; validates dtypes and shapes."""
     if weight.dtype != torch.uint8:
         raise NVFP4InputError(f"weight: expected packed uint8, got {weight.dtype}")

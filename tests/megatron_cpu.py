@@ -6,6 +6,7 @@ in tests only and are named as shims.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 
@@ -73,11 +74,21 @@ def moe_config(num_experts: int = 4, hidden: int = 32, ffn: int = 48, topk: int 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     args = dict(
-        num_layers=1, hidden_size=hidden, num_attention_heads=4, ffn_hidden_size=ffn,
-        moe_ffn_hidden_size=ffn, num_moe_experts=num_experts, moe_router_topk=topk,
-        moe_token_dispatcher_type="allgather", use_cpu_initialization=True, add_bias_linear=False,
-        gated_linear_unit=True, bias_activation_fusion=False, moe_grouped_gemm=False,
-        params_dtype=torch.float32, moe_router_load_balancing_type="none",
+        num_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        ffn_hidden_size=ffn,
+        moe_ffn_hidden_size=ffn,
+        num_moe_experts=num_experts,
+        moe_router_topk=topk,
+        moe_token_dispatcher_type="allgather",
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        gated_linear_unit=True,
+        bias_activation_fusion=False,
+        moe_grouped_gemm=False,
+        params_dtype=torch.float32,
+        moe_router_load_balancing_type="none",
     )
     args.update(kw)
     return TransformerConfig(**args)
@@ -90,6 +101,11 @@ def build_moe_layer(config, seed: int = 0, layer_number: int = 1):
 
     torch.manual_seed(seed)
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    layer = MoELayer(config, spec.submodules.mlp.submodules, layer_number=layer_number)
+    mlp = spec.submodules.mlp
+    if isinstance(mlp, functools.partial):  # megatron-core >= 0.19: partial(MoELayer, submodules=...)
+        layer = mlp(config, layer_number=layer_number)
+    else:  # <= 0.16: ModuleSpec(module=MoELayer, submodules=...)
+        layer = MoELayer(config, mlp.submodules, layer_number=layer_number)
+    assert isinstance(layer, MoELayer)
     layer.set_layer_number(layer_number)
     return layer

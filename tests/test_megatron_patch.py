@@ -148,7 +148,9 @@ class _CpuFusedWgradShim:
 
     @staticmethod
     def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
-        main_grad.add_(grad_output.reshape(-1, grad_output.shape[-1]).t() @ total_input.reshape(-1, total_input.shape[-1]))
+        main_grad.add_(
+            grad_output.reshape(-1, grad_output.shape[-1]).t() @ total_input.reshape(-1, total_input.shape[-1])
+        )
 
     wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
 

@@ -63,8 +63,9 @@ def test_decode_table_and_pack_roundtrip():
 def test_global_scales_follow_te():
     amax = torch.tensor([0.0, 1.0, 3.0, 1e-37, 1e30, 2688.0])
     s_enc = nvfp4.global_encode_scale(amax)
-    want = [1.0] + [min(float(torch.tensor(2688.0) / torch.tensor(a)), torch.finfo(torch.float32).max)
-                    for a in amax.tolist()[1:]]
+    want = [1.0] + [
+        min(float(torch.tensor(2688.0) / torch.tensor(a)), torch.finfo(torch.float32).max) for a in amax.tolist()[1:]
+    ]
     assert s_enc.tolist() == pytest.approx(want, rel=0)
     assert s_enc[3].item() == torch.finfo(torch.float32).max  # clamped at FLT_MAX, not inf
     assert torch.equal(nvfp4.global_decode_scale(amax), 1.0 / s_enc)
@@ -80,7 +81,7 @@ def reference_quantize_f64(x: torch.Tensor, amax: float):
     for row in x.float().tolist():
         codes, scales = [], []
         for b in range(0, len(row), 16):
-            blk = row[b:b + 16]
+            blk = row[b : b + 16]
             bmax = max(abs(v) for v in blk)
             sb = float(torch.tensor(min(f32(bmax * mult), 448.0)).to(torch.float8_e4m3fn).float())
             denom = f32(sb * s_dec)
@@ -166,7 +167,7 @@ def test_dequantize_formula_and_error_bound():
     x = torch.randn(16, 256)
     t = nvfp4.quantize(x)
     vals = nvfp4.e2m1_decode(nvfp4.unpack_e2m1(t.codes)).reshape(16, 16, 16)
-    want = ((vals * t.block_scales.float().unsqueeze(-1)).double() * t.global_decode.double())
+    want = (vals * t.block_scales.float().unsqueeze(-1)).double() * t.global_decode.double()
     want = want.float().reshape(16, 256)  # one rounding of the exact product
     assert torch.equal(nvfp4.dequantize(t), want)
     rel = ((nvfp4.dequantize(t) - x).norm() / x.norm()).item()
@@ -179,8 +180,8 @@ def test_row_mode_scales_each_row_independently():
     t = nvfp4.quantize(x, "row")
     assert t.global_decode.shape == (3, 1)
     for r in range(3):
-        single = nvfp4.quantize(x[r:r + 1], "tensor")
-        assert torch.equal(single.codes, t.codes[r:r + 1])
+        single = nvfp4.quantize(x[r : r + 1], "tensor")
+        assert torch.equal(single.codes, t.codes[r : r + 1])
         assert single.global_decode.item() == t.global_decode[r, 0].item()
 
 
@@ -234,5 +235,6 @@ def test_other_bad_inputs():
     with pytest.raises(NVFP4InputError, match="one element"):
         nvfp4.quantize(torch.ones(2, 16), global_amax=torch.ones(2))
     with pytest.raises(NVFP4InputError, match="weight_scale shape"):
-        nvfp4.from_modelopt(torch.zeros(4, 8, dtype=torch.uint8),
-                            torch.zeros(4, 2, dtype=torch.float8_e4m3fn), torch.tensor(1.0))
+        nvfp4.from_modelopt(
+            torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.float8_e4m3fn), torch.tensor(1.0)
+        )

@@ -58,10 +58,21 @@ def _e4m3_probe(v_ptr, val_ptr, code_ptr, n, BLOCK: tl.constexpr):
 def test_kernel_e4m3_rounding_matches_torch_cast_everywhere():
     grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # all finite >= 0
     mids = (grid[1:] + grid[:-1]) / 2
-    v = torch.cat([
-        grid, mids, torch.nextafter(mids, torch.zeros_like(mids)), torch.nextafter(mids, torch.full_like(mids, 1e9)),
-        torch.rand(20000) * 448, torch.rand(5000) * 0.02, torch.tensor([0.0, 448.0, 1e-12, 2.0**-10, 2.0**-9]),
-    ]).float().clamp(max=448.0)
+    v = (
+        torch.cat(
+            [
+                grid,
+                mids,
+                torch.nextafter(mids, torch.zeros_like(mids)),
+                torch.nextafter(mids, torch.full_like(mids, 1e9)),
+                torch.rand(20000) * 448,
+                torch.rand(5000) * 0.02,
+                torch.tensor([0.0, 448.0, 1e-12, 2.0**-10, 2.0**-9]),
+            ]
+        )
+        .float()
+        .clamp(max=448.0)
+    )
     val = torch.empty_like(v)
     code = torch.empty(v.shape, dtype=torch.int32)
     _e4m3_probe[(triton.cdiv(v.numel(), 1024),)](v, val, code, v.numel(), BLOCK=1024)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One device call: Python 3.12 + megatron-core 0.19.2 (carried wheel in .whl/) test suite with CUDA
+# hidden (the CPU path), then GPU bit-identity checks and the W4A4 MoE benchmark. Writes to $OUT.
+set -u
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || echo "editable install failed"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c "import megatron.core, torch, triton; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__, 'triton', triton.__version__)"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  CUDA_VISIBLE_DEVICES= timeout 300 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests 2>&1 | tail -25 > "$OUT/pytest_py312_mcore.txt"
+  tail -5 "$OUT/pytest_py312_mcore.txt"
+fi
+timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_moe_w4a4.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -60

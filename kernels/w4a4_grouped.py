@@ -1,0 +1,417 @@
+"""Hopper W4A4 NVFP4 MoE kernels (Triton): fused activation+residual quantization and a grouped GEMM.
+
+* quantize_activation: x [M, K] -> per-token NVFP4 codes/scales, S_dec [M, 1], and (RAC) the
+  dense residual codes/scales, bit-identical to quads_megatron.w4a4.quantize_activation.
+* grouped_w4a4: y[rows of expert e] = S_dec_x * S_dec_w[e] * ([A | R_S] @ [W_e | W_e,S]^T).
+  FP4 codes are decoded in registers to fp16 by bit operations (value * E4M3 scale * 2^-7 is
+  exact in fp16), products are exact on the fp16 tensor cores and sums accumulate in fp32.
+  The residual part reuses the weight tile already in registers, only for K tiles holding
+  compensated blocks. Expert rows follow ``offs`` (cumulative row ends, as torch._grouped_mm);
+  tiles are scheduled on device (no host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from quads_megatron.kernels.nvfp4_quant import FP32_MAX, nvfp4_block_encode
+
+from quads_megatron import nvfp4
+from quads_megatron.nvfp4 import NVFP4InputError, NVFP4Tensor
+from quads_megatron.w4a4 import QuantizedActivation, RACPlan
+
+
+@triton.jit
+def e2m1_value(c):
+    """E2M1 code (int32 0..15) -> fp32 value."""
+    idx = c & 7
+    mag = tl.where(
+        idx < 4,
+        idx.to(tl.float32) * 0.5,
+        tl.where(idx == 4, 2.0, tl.where(idx == 5, 3.0, tl.where(idx == 6, 4.0, 6.0))),
+    )
+    return tl.where(c >= 8, -mag, mag)
+
+
+@triton.jit
+def e4m3_value(s):
+    """E4M3 byte (int32, non-negative finite) -> fp32 value."""
+    e = (s >> 3) & 15
+    m = s & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+
+
+# ----------------------------------------------------------------------------- activation quant
+
+
+@triton.jit
+def _encode_store_chunk(
+    x0,
+    x1,
+    k0,
+    rows64,
+    rmask,
+    s_enc,
+    s_dec,
+    mask_ptr,
+    codes_ptr,
+    scales_ptr,
+    rcodes_ptr,
+    rscales_ptr,
+    K: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Encode columns [k0, k0+BLOCK_K) of BLOCK_M rows (x0/x1: even/odd fp32 [BLOCK_M, BLOCK_K/2]) and store."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    NB: tl.constexpr = BLOCK_K // 16
+    pairs = k0 // 2 + tl.arange(0, HALF)
+    blocks = k0 // 16 + tl.arange(0, NB)
+    pmask = rmask[:, None] & (pairs[None, :] < K // 2)
+    bmask = rmask[:, None] & (blocks[None, :] < K // 16)
+    packed, sb_code, sb = nvfp4_block_encode(x0, x1, s_enc, s_dec, BLOCK_M, BLOCK_K)
+    tl.store(codes_ptr + rows64[:, None] * (K // 2) + pairs[None, :], packed.to(tl.uint8), mask=pmask)
+    tl.store(scales_ptr + rows64[:, None] * (K // 16) + blocks[None, :], sb_code.to(tl.uint8), mask=bmask)
+    if HAS_RES:
+        sel = tl.load(mask_ptr + blocks, mask=blocks < K // 16, other=0)
+        sel_full = tl.reshape(tl.broadcast_to(sel[None, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
+        sb_full = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
+        dq0 = (e2m1_value(packed & 15) * sb_full) * s_dec[:, None]
+        dq1 = (e2m1_value(packed >> 4) * sb_full) * s_dec[:, None]
+        r0 = tl.where(sel_full != 0, x0 - dq0, 0.0)
+        r1 = tl.where(sel_full != 0, x1 - dq1, 0.0)
+        rpacked, rsb_code, _ = nvfp4_block_encode(r0, r1, s_enc, s_dec, BLOCK_M, BLOCK_K)
+        tl.store(rcodes_ptr + rows64[:, None] * (K // 2) + pairs[None, :], rpacked.to(tl.uint8), mask=pmask)
+        tl.store(rscales_ptr + rows64[:, None] * (K // 16) + blocks[None, :], rsb_code.to(tl.uint8), mask=bmask)
+
+
+@triton.jit
+def _load_pairs(x_ptr, rows64, rmask, stride_xm, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    m = rmask[:, None] & (pairs[None, :] < K // 2)
+    ptrs = x_ptr + rows64[:, None] * stride_xm + 2 * pairs[None, :]
+    return tl.load(ptrs, mask=m, other=0.0).to(tl.float32), tl.load(ptrs + 1, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _global_scales(amax, BLOCK_M: tl.constexpr):
+    """Per-row S_enc, S_dec from amax [BLOCK_M] exactly as quads_megatron.nvfp4.global_encode_scale."""
+    s_enc = tl.minimum(tl.div_rn(tl.full((BLOCK_M,), 2688.0, tl.float32), amax), FP32_MAX)
+    s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+    return s_enc, tl.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), s_enc)
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr,
+    amax_ptr,
+    mask_ptr,
+    codes_ptr,
+    scales_ptr,
+    rcodes_ptr,
+    rscales_ptr,
+    sdec_ptr,
+    M,
+    stride_xm,
+    K: tl.constexpr,
+    STATIC: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    rows64 = rows.to(tl.int64)
+    if BLOCK_K >= K:  # the whole row in registers: one read of x
+        x0, x1 = _load_pairs(x_ptr, rows64, rmask, stride_xm, 0, K, BLOCK_K)
+        if STATIC:
+            amax = tl.load(amax_ptr + rows * 0, mask=rmask, other=0.0)
+        else:
+            amax = tl.max(tl.maximum(tl.abs(x0), tl.abs(x1)), axis=1)
+        s_enc, s_dec = _global_scales(amax, BLOCK_M)
+        tl.store(sdec_ptr + rows, s_dec, mask=rmask)
+        _encode_store_chunk(
+            x0,
+            x1,
+            0,
+            rows64,
+            rmask,
+            s_enc,
+            s_dec,
+            mask_ptr,
+            codes_ptr,
+            scales_ptr,
+            rcodes_ptr,
+            rscales_ptr,
+            K,
+            HAS_RES,
+            BLOCK_M,
+            BLOCK_K,
+        )
+    else:  # two passes over K chunks: amax, then encode
+        if STATIC:
+            amax = tl.load(amax_ptr + rows * 0, mask=rmask, other=0.0)
+        else:
+            amax = tl.zeros((BLOCK_M,), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                x0, x1 = _load_pairs(x_ptr, rows64, rmask, stride_xm, k0, K, BLOCK_K)
+                amax = tl.maximum(amax, tl.max(tl.maximum(tl.abs(x0), tl.abs(x1)), axis=1))
+        s_enc, s_dec = _global_scales(amax, BLOCK_M)
+        tl.store(sdec_ptr + rows, s_dec, mask=rmask)
+        for k0 in range(0, K, BLOCK_K):
+            x0, x1 = _load_pairs(x_ptr, rows64, rmask, stride_xm, k0, K, BLOCK_K)
+            _encode_store_chunk(
+                x0,
+                x1,
+                k0,
+                rows64,
+                rmask,
+                s_enc,
+                s_dec,
+                mask_ptr,
+                codes_ptr,
+                scales_ptr,
+                rcodes_ptr,
+                rscales_ptr,
+                K,
+                HAS_RES,
+                BLOCK_M,
+                BLOCK_K,
+            )
+
+
+def quantize_activation(
+    x: torch.Tensor,
+    plan: RACPlan | None = None,
+    static_amax: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_k: int | None = None,
+    check: bool = True,
+    num_warps: int = 4,
+) -> QuantizedActivation:
+    """Triton twin of quads_megatron.w4a4.quantize_activation (static plans; same bits).
+
+    Defaults: the whole row in registers when K <= 4096 (one read of x), 1 row per program for
+    small M (parallelism) and 4 for large M.
+    """
+    if check:
+        nvfp4.check_quantizable(x, "activation")
+    if x.dim() != 2:
+        raise NVFP4InputError(f"activation must be [M, K], got {tuple(x.shape)}")
+    m, k = x.shape
+    if plan is not None and plan.k != k:
+        raise NVFP4InputError(f"RAC plan is for K={plan.k}, activation has K={k}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if block_k is None:
+        block_k = triton.next_power_of_2(k) if k <= 4096 else 512
+    if block_m is None:
+        block_m = 1 if m <= 8192 else 4
+    dev = x.device
+    codes = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
+    scales = torch.empty((m, k // 16), dtype=torch.uint8, device=dev)
+    sdec = torch.empty((m,), dtype=torch.float32, device=dev)
+    has_res = plan is not None and plan.blocks.numel() > 0
+    rcodes = torch.empty_like(codes) if has_res else codes
+    rscales = torch.empty_like(scales) if has_res else scales
+    mask = plan.block_mask(dev).to(torch.int8) if has_res else torch.zeros(1, dtype=torch.int8, device=dev)
+    amax = static_amax.detach().float().reshape(1).to(dev) if static_amax is not None else sdec
+    _act_quant_kernel[(triton.cdiv(m, block_m),)](
+        x,
+        amax,
+        mask,
+        codes,
+        scales,
+        rcodes,
+        rscales,
+        sdec,
+        m,
+        x.stride(0),
+        K=k,
+        STATIC=static_amax is not None,
+        HAS_RES=has_res,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        enable_fp_fusion=False,  # keep x - (v*s_b)*S_dec rounded as the torch reference does
+    )
+    g = sdec.reshape(m, 1)
+    xq = NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), g)
+    res = NVFP4Tensor(rcodes, rscales.view(torch.float8_e4m3fn), g) if has_res else None
+    return QuantizedActivation(xq, res)
+
+
+# ----------------------------------------------------------------------------- grouped GEMM
+
+
+@triton.jit
+def _load_decoded(code_ptr, scale_ptr, rows64, rmask, k0, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """Rows of an NVFP4 matrix (codes [R, K/2], scale bytes [R, K/16]) for K columns [k0, k0+BK)
+    -> (even, odd) fp16 tiles [BR, BK/2] holding value * s_b * 2^-7 (exact).
+
+    fp16 bits (code & 7) << 9 are value * 2^-14 (subnormals included); times fp16(s_b * 2^7) the
+    product has <= 6 significant bits in [2^-17, 21]: exact. Callers multiply dot results by 2^14.
+    (A 3-D [rows, blocks, 8] variant measured slower on H200, 2026-12-02.)
+    """
+    p = k0 // 2 + tl.arange(0, BK // 2)
+    b = k0 // 16 + tl.arange(0, BK // 16)
+    c = tl.load(code_ptr + rows64[:, None] * (K // 2) + p[None, :], mask=rmask[:, None], other=0).to(tl.int32)
+    sb = tl.load(scale_ptr + rows64[:, None] * (K // 16) + b[None, :], mask=rmask[:, None], other=0)
+    s16 = (e4m3_value(sb.to(tl.int32)) * 128.0).to(tl.float16)
+    s_full = tl.reshape(tl.broadcast_to(s16[:, :, None], (BR, BK // 16, 8)), (BR, BK // 2))
+    lo = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True) * s_full
+    hi = (((c & 0x70) << 5) | ((c & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True) * s_full
+    return lo, hi
+
+
+@triton.jit
+def _grouped_w4a4_kernel(
+    a_ptr,
+    as_ptr,
+    r_ptr,
+    rs_ptr,
+    asdec_ptr,
+    w_ptr,
+    ws_ptr,
+    wsdec_ptr,
+    rmask_ptr,
+    offs_ptr,
+    tiles_ptr,
+    y_ptr,
+    N,
+    E,
+    rmask_estride,
+    K: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    LOG2_E: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    total = tl.load(tiles_ptr + E)
+    if pid >= total:
+        return
+    lo = 0
+    hi = E - 1
+    for _ in tl.static_range(LOG2_E):  # expert e in [0, E) with tiles[e] <= pid < tiles[e+1]
+        mid = (lo + hi) // 2
+        go_right = tl.load(tiles_ptr + mid + 1) <= pid
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_right, hi, mid)
+    e = lo
+    row_begin = tl.where(e > 0, tl.load(offs_ptr + e - 1, mask=e > 0, other=0), 0)
+    row_end = tl.load(offs_ptr + e)
+    rows = row_begin + (pid - tl.load(tiles_ptr + e)) * BM + tl.arange(0, BM)
+    rmask = rows < row_end
+    rows64 = rows.to(tl.int64)
+    ncols = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = ncols < N
+    wrow = e.to(tl.int64) * N + ncols.to(tl.int64)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, K, BK):
+        w_lo, w_hi = _load_decoded(w_ptr, ws_ptr, wrow, nmask, k0, K, BN, BK)
+        a_lo, a_hi = _load_decoded(a_ptr, as_ptr, rows64, rmask, k0, K, BM, BK)
+        acc = tl.dot(a_lo, tl.trans(w_lo), acc)
+        acc = tl.dot(a_hi, tl.trans(w_hi), acc)
+        if HAS_RES:
+            b = k0 // 16 + tl.arange(0, BK // 16)
+            tile_sel = tl.max(tl.load(rmask_ptr + e * rmask_estride + b).to(tl.int32), axis=0)
+            if tile_sel != 0:  # augmented K: residual blocks against the same weight registers
+                r_lo, r_hi = _load_decoded(r_ptr, rs_ptr, rows64, rmask, k0, K, BM, BK)
+                acc = tl.dot(r_lo, tl.trans(w_lo), acc)
+                acc = tl.dot(r_hi, tl.trans(w_hi), acc)
+    acc = acc * 16384.0  # undo 2^-7 on each operand (exact power of two)
+    sa = tl.load(asdec_ptr + rows, mask=rmask, other=0.0)
+    sw = tl.load(wsdec_ptr + e)
+    y = acc * sa[:, None] * sw
+    tl.store(
+        y_ptr + rows64[:, None] * N + ncols[None, :], y.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :]
+    )
+
+
+def stack_expert_weights(weights: list[NVFP4Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-expert per-tensor NVFP4 weights [N, K] -> codes u8 [E, N, K/2], scale bytes u8 [E, N, K/16], S_dec [E]."""
+    codes = torch.stack([w.codes for w in weights])
+    scales = torch.stack([w.block_scales.view(torch.uint8) for w in weights])
+    sdec = torch.stack([w.global_decode.reshape(()) for w in weights]).float()
+    return codes, scales, sdec
+
+
+def grouped_w4a4(
+    qa: QuantizedActivation,
+    offs: torch.Tensor,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_sdec: torch.Tensor,
+    res_block_mask: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    block_m: int = 16,
+    block_n: int = 64,
+    block_k: int = 128,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """Grouped W4A4(+RAC) GEMM -> y [M, N] in out_dtype.
+
+    qa: quantized activations of all rows (rows of expert e are offs[e-1]:offs[e]).
+    w_codes/w_scales/w_sdec: stack_expert_weights output. res_block_mask: int8/bool [K/16] or
+    [E, K/16] marking compensated blocks (None: every block may hold residual).
+    """
+    e_count, n, k_half = w_codes.shape
+    k = k_half * 2
+    m = qa.x.codes.shape[0]
+    if qa.x.codes.shape[1] != k_half:
+        raise NVFP4InputError(f"activation K={qa.x.codes.shape[1] * 2} does not match weight K={k}")
+    if offs.numel() != e_count:
+        raise NVFP4InputError(f"offs has {offs.numel()} entries for {e_count} experts")
+    if k % block_k:
+        raise NVFP4InputError(f"K={k} must be a multiple of block_k={block_k}")
+    dev = w_codes.device
+    offs = offs.to(device=dev, dtype=torch.int32)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    tiles = torch.zeros(e_count + 1, dtype=torch.int32, device=dev)
+    tiles[1:] = torch.cumsum((counts + block_m - 1) // block_m, 0)
+    y = torch.empty((m, n), dtype=out_dtype, device=dev)
+    has_res = qa.residual is not None
+    if has_res:
+        mask = (
+            torch.ones(k // 16, dtype=torch.int8, device=dev)
+            if res_block_mask is None
+            else res_block_mask.to(device=dev, dtype=torch.int8)
+        )
+        estride = k // 16 if mask.dim() == 2 else 0
+        r, rs = qa.residual.codes, qa.residual.block_scales.view(torch.uint8)
+    else:
+        mask, estride = torch.zeros(1, dtype=torch.int8, device=dev), 0
+        r, rs = qa.x.codes, qa.x.block_scales.view(torch.uint8)
+    grid = (triton.cdiv(m, block_m) + e_count, triton.cdiv(n, block_n))
+    _grouped_w4a4_kernel[grid](
+        qa.x.codes,
+        qa.x.block_scales.view(torch.uint8),
+        r,
+        rs,
+        qa.x.global_decode.reshape(-1).float(),
+        w_codes,
+        w_scales,
+        w_sdec,
+        mask,
+        offs,
+        tiles,
+        y,
+        n,
+        e_count,
+        estride,
+        K=k,
+        HAS_RES=has_res,
+        LOG2_E=max(1, (e_count - 1).bit_length()),
+        BM=block_m,
+        BN=block_n,
+        BK=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return y

@@ -1,0 +1,190 @@
+"""Rollout math (reference, torch): W4A4 NVFP4 linear/MoE GEMMs with Residual Activation Compensation.
+
+Activations: NVFP4 with a per-token global scale (dynamic, default) or one calibrated static
+amax (ModelOpt ``input_scale`` style), both through the contract in quads_megatron.nvfp4.
+
+RAC: R = x - dq(q(x)). On the selected 16-channel blocks S, R is quantized again with the same
+per-token global scale as x (its own E4M3 block scales), and added through the same GEMM as
+augmented K:  y = [dq(q(x)) | dq(q(R_S))] @ [dq(W) | dq(W)_S]^T. Because S is a set of whole
+16-channel blocks, dq(W)_S uses W's own codes and block scales bit for bit (no re-quantization),
+and because the residual shares x's global scale, the augmented GEMM keeps one alpha per row.
+
+The residual is stored dense over K ([M, K/2] codes, [M, K/16] scales; zero outside S), which
+serves static per-layer selection and dynamic per-token selection alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quads_megatron import nvfp4
+from quads_megatron.nvfp4 import BLOCK_SIZE, NVFP4InputError, NVFP4Tensor
+
+
+@dataclass(frozen=True)
+class RACPlan:
+    """Static RAC selection of one GEMM: sorted indices of compensated 16-channel blocks of K."""
+
+    blocks: torch.Tensor  # int64 [n_sel], sorted, each in [0, K/16)
+    k: int
+
+    def __post_init__(self) -> None:
+        b = self.blocks
+        if b.dim() != 1 or (b.numel() and (int(b.min()) < 0 or int(b.max()) >= self.k // BLOCK_SIZE)):
+            raise NVFP4InputError(f"RAC plan blocks must be 1-D indices in [0, {self.k // BLOCK_SIZE})")
+        if b.numel() != torch.unique(b).numel():
+            raise NVFP4InputError("RAC plan blocks must be unique")
+
+    @property
+    def num_channels(self) -> int:
+        return int(self.blocks.numel()) * BLOCK_SIZE
+
+    def block_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """bool [K/16]: True on compensated blocks."""
+        m = torch.zeros(self.k // BLOCK_SIZE, dtype=torch.bool, device=device)
+        m[self.blocks.to(device)] = True
+        return m
+
+    @classmethod
+    def from_scores(cls, scores: torch.Tensor, num_channels: int) -> RACPlan:
+        """Top blocks by a per-block score (fp32 [K/16]); num_channels must be a multiple of 16."""
+        if num_channels % BLOCK_SIZE:
+            raise NVFP4InputError(f"RAC channel count {num_channels} is not a multiple of {BLOCK_SIZE}")
+        n = num_channels // BLOCK_SIZE
+        top = torch.topk(scores.float(), n, largest=True, sorted=False).indices if n else scores.new_zeros(0).long()
+        return cls(torch.sort(top.long().cpu()).values, scores.numel() * BLOCK_SIZE)
+
+
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """x [M, K] quantized for W4A4: x codes/scales, optional dense residual, per-row S_dec [M, 1]."""
+
+    x: NVFP4Tensor
+    residual: NVFP4Tensor | None  # same global_decode as x; zero codes and scales off the selection
+
+
+def activation_amax(x: torch.Tensor, static_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row global amax [M, 1]: dynamic per-token, or one calibrated static amax broadcast."""
+    if static_amax is None:
+        return nvfp4.amax(x, "row")
+    return static_amax.detach().float().reshape(1, 1).to(x.device).expand(x.shape[0], 1)
+
+
+def residual_block_scores(x: torch.Tensor, static_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token, per-block squared residual norm: fp32 [M, K/16] (the RAC error statistic)."""
+    xq = nvfp4.quantize(x, "row", activation_amax(x, static_amax))
+    r = x.float() - nvfp4.dequantize(xq)
+    return r.reshape(x.shape[0], -1, BLOCK_SIZE).square().sum(-1)
+
+
+def quantize_activation(
+    x: torch.Tensor,
+    plan: RACPlan | None = None,
+    static_amax: torch.Tensor | None = None,
+    dynamic_channels: int = 0,
+) -> QuantizedActivation:
+    """Quantize x [M, K] for W4A4 (+RAC).
+
+    plan: static RAC selection (calibrated per layer); dynamic_channels: instead, compensate the
+    top blocks of each token by residual norm (a multiple of 16). Neither: plain W4A4.
+    """
+    nvfp4.check_quantizable(x, "activation")
+    if x.dim() != 2:
+        raise NVFP4InputError(f"activation must be [M, K], got {tuple(x.shape)}")
+    if plan is not None and dynamic_channels:
+        raise NVFP4InputError("use either a static RAC plan or dynamic_channels, not both")
+    if plan is not None and plan.k != x.shape[1]:
+        raise NVFP4InputError(f"RAC plan is for K={plan.k}, activation has K={x.shape[1]}")
+    a = activation_amax(x, static_amax)
+    xq = nvfp4.quantize(x, "row", a, check=False)
+    if plan is None and not dynamic_channels:
+        return QuantizedActivation(xq, None)
+    r = (x.float() - nvfp4.dequantize(xq)).reshape(x.shape[0], -1, BLOCK_SIZE)
+    if plan is not None:
+        mask = plan.block_mask(x.device).expand(x.shape[0], -1)
+    else:
+        if dynamic_channels % BLOCK_SIZE:
+            raise NVFP4InputError(f"dynamic_channels {dynamic_channels} is not a multiple of {BLOCK_SIZE}")
+        n = min(dynamic_channels // BLOCK_SIZE, r.shape[1])
+        top = r.square().sum(-1).topk(n, dim=-1).indices
+        mask = torch.zeros(r.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, top, True)
+    r = torch.where(mask.unsqueeze(-1), r, torch.zeros_like(r)).reshape(x.shape)
+    return QuantizedActivation(xq, nvfp4.quantize(r, "row", a, check=False))
+
+
+def _exact_values(t: NVFP4Tensor) -> torch.Tensor:
+    """value(q) * s_b in fp32 (exact), without the global scale; shape [..., K]."""
+    v = nvfp4.e2m1_decode(nvfp4.unpack_e2m1(t.codes))
+    return (v.reshape(*v.shape[:-1], -1, BLOCK_SIZE) * t.block_scales.float().unsqueeze(-1)).reshape(v.shape)
+
+
+def w4a4_linear_reference(qa: QuantizedActivation, w: NVFP4Tensor) -> torch.Tensor:
+    """y [M, N] fp32 = S_dec_x * S_dec_w * ([A | R_S] @ [W | W_S]^T), exact products, fp64 sums.
+
+    w: per-tensor NVFP4 weight [N, K] from the contract (the trainer's codes and scales).
+    """
+    a = _exact_values(qa.x).double()
+    wv = _exact_values(w).double()
+    if qa.residual is not None:
+        sel = qa.residual.block_scales.float().reshape(qa.residual.block_scales.shape[0], -1) != 0
+        cols = sel.any(0).repeat_interleave(BLOCK_SIZE)  # union of compensated channels
+        a = torch.cat([a, _exact_values(qa.residual).double()[:, cols]], dim=1)  # augmented K
+        wv = torch.cat([wv, wv[:, cols]], dim=1)  # the same weight codes and scales, reused
+    y = (a @ wv.t()) * qa.x.global_decode.double() * w.global_decode.double()
+    return y.float()
+
+
+def grouped_w4a4_reference(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    weights: list[NVFP4Tensor],
+    plans: list[RACPlan | None] | None = None,
+    static_amax: torch.Tensor | None = None,
+    dynamic_channels: int = 0,
+) -> torch.Tensor:
+    """MoE grouped W4A4: rows offs[e-1]:offs[e] of x [M, K] go to expert e (offs as in torch._grouped_mm)."""
+    out = x.new_zeros((x.shape[0], weights[0].shape[0]), dtype=torch.float32)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            plan = plans[e] if plans is not None else None
+            qa = quantize_activation(x[start:end], plan, static_amax, dynamic_channels)
+            out[start:end] = w4a4_linear_reference(qa, weights[e])
+        start = end
+    return out
+
+
+class RACCalibrator:
+    """Records per-layer RAC statistics over calibration batches and turns them into plans.
+
+    metric 'residual': mean squared residual norm per 16-channel block (the error RAC removes);
+    metric 'amax': max |x| per block (ARCQuant-style outlier statistic).
+    """
+
+    def __init__(self, metric: str = "residual") -> None:
+        if metric not in ("residual", "amax"):
+            raise ValueError(f"metric must be 'residual' or 'amax', got {metric!r}")
+        self.metric = metric
+        self.stats: dict[str, torch.Tensor] = {}
+        self.tokens: dict[str, int] = {}
+
+    def observe(self, layer: str, x: torch.Tensor) -> None:
+        x2 = x.detach().reshape(-1, x.shape[-1])
+        if self.metric == "residual":
+            s = residual_block_scores(x2).sum(0).cpu()
+            self.stats[layer] = self.stats.get(layer, torch.zeros_like(s)) + s
+        else:
+            s = x2.abs().float().reshape(x2.shape[0], -1, BLOCK_SIZE).amax(dim=(0, 2)).cpu()
+            self.stats[layer] = torch.maximum(self.stats.get(layer, torch.zeros_like(s)), s)
+        self.tokens[layer] = self.tokens.get(layer, 0) + x2.shape[0]
+
+    def plans(self, num_channels_for) -> dict[str, RACPlan]:
+        """num_channels_for(K) -> channel count (e.g. RACConfig.num_channels)."""
+        return {
+            name: RACPlan.from_scores(s, num_channels_for(s.numel() * BLOCK_SIZE)) for name, s in self.stats.items()
+        }
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{k}.{self.metric}": v for k, v in self.stats.items()}

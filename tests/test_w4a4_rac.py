@@ -1,0 +1,186 @@
+"""Rollout W4A4 + RAC: reference semantics, Triton twins (TRITON_INTERPRET=1), calibration."""
+
+import pytest
+import torch
+from quads_megatron.kernels import w4a4_grouped as kg
+
+from quads_megatron import nvfp4, w4a4
+from quads_megatron.config import RACConfig
+from quads_megatron.nvfp4 import NVFP4InputError
+
+
+def outlier_activations(m, k, dtype=torch.bfloat16):
+    """Activations with heavy-tailed per-channel magnitudes (a few outlier channels)."""
+    return (torch.randn(m, k) * torch.exp(torch.randn(k) * 1.2)).to(dtype)
+
+
+def same_bits(a: nvfp4.NVFP4Tensor, b: nvfp4.NVFP4Tensor) -> bool:
+    return (
+        torch.equal(a.codes, b.codes)
+        and torch.equal(a.block_scales.view(torch.uint8), b.block_scales.view(torch.uint8))
+        and torch.equal(a.global_decode, b.global_decode)
+    )
+
+
+def test_plain_w4a4_is_per_token_contract_quantization():
+    x = outlier_activations(8, 64)
+    qa = w4a4.quantize_activation(x)
+    assert qa.residual is None
+    assert same_bits(qa.x, nvfp4.quantize(x, "row"))
+    static = w4a4.quantize_activation(x, static_amax=torch.tensor(50.0))
+    assert same_bits(static.x, nvfp4.quantize(x, "row", torch.full((8, 1), 50.0)))
+    assert torch.all(static.x.global_decode == nvfp4.input_scale_from_amax(torch.tensor(50.0)))
+
+
+def test_residual_is_quantized_on_selected_blocks_with_the_token_scale():
+    x = outlier_activations(6, 96)
+    plan = w4a4.RACPlan(torch.tensor([1, 4]), 96)
+    qa = w4a4.quantize_activation(x, plan)
+    assert torch.equal(qa.residual.global_decode, qa.x.global_decode)  # one alpha per row
+    r = x.float() - nvfp4.dequantize(qa.x)
+    r_sel = torch.zeros_like(r)
+    for b in (1, 4):
+        r_sel[:, 16 * b : 16 * b + 16] = r[:, 16 * b : 16 * b + 16]
+    assert same_bits(qa.residual, nvfp4.quantize(r_sel, "row", nvfp4.amax(x, "row")))
+    off = qa.residual.block_scales.float().clone()
+    off[:, [1, 4]] = 0
+    assert torch.all(off == 0)
+
+
+def test_augmented_gemm_reuses_weight_codes_and_matches_explicit_concat():
+    x = outlier_activations(5, 64)
+    w = nvfp4.quantize(torch.randn(24, 64) * 0.05)
+    plan = w4a4.RACPlan(torch.tensor([0, 3]), 64)
+    qa = w4a4.quantize_activation(x, plan)
+    y = w4a4.w4a4_linear_reference(qa, w)
+    # explicit augmented-K operands built from the same codes and scales
+    cols = torch.cat([torch.arange(0, 16), torch.arange(48, 64)])
+    a_aug = torch.cat([nvfp4.dequantize(qa.x), nvfp4.dequantize(qa.residual)[:, cols]], 1).double()
+    w_aug = torch.cat([nvfp4.dequantize(w), nvfp4.dequantize(w)[:, cols]], 1).double()
+    assert torch.allclose(y.double(), a_aug @ w_aug.t(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("ratio", [0.125, 0.25, 0.5, 1.0])
+def test_rac_reduces_error_against_trainer_output(ratio):
+    x = outlier_activations(64, 256, torch.float32)
+    w = nvfp4.quantize(torch.randn(64, 256) * 0.05)
+    trainer = x @ nvfp4.dequantize(w).t()  # what the QAT trainer computes: BF16 activations
+    n = RACConfig(ratio=ratio).num_channels(256)
+    plan = w4a4.RACPlan.from_scores(w4a4.residual_block_scores(x).sum(0), n)
+    err = lambda y: ((y - trainer).norm() / trainer.norm()).item()
+    plain = err(w4a4.w4a4_linear_reference(w4a4.quantize_activation(x), w))
+    rac = err(w4a4.w4a4_linear_reference(w4a4.quantize_activation(x, plan), w))
+    assert rac < plain
+    if ratio == 1.0:
+        assert rac < plain / 4  # full compensation: two-term NVFP4 activation
+
+
+def test_dynamic_per_token_selection():
+    x = outlier_activations(8, 64)
+    qa = w4a4.quantize_activation(x, dynamic_channels=16)
+    nonzero_blocks = (qa.residual.block_scales.float() != 0).sum(1)
+    assert torch.all(nonzero_blocks <= 1)
+    scores = w4a4.residual_block_scores(x)
+    picked = qa.residual.block_scales.float().argmax(1)
+    assert torch.equal(picked[nonzero_blocks == 1], scores.argmax(1)[nonzero_blocks == 1])
+    with pytest.raises(NVFP4InputError, match="multiple of 16"):
+        w4a4.quantize_activation(x, dynamic_channels=8)
+
+
+def test_bad_inputs():
+    with pytest.raises(NVFP4InputError, match="K=64"):
+        w4a4.quantize_activation(torch.randn(2, 64), w4a4.RACPlan(torch.tensor([0]), 32))
+    with pytest.raises(NVFP4InputError, match="in \\[0, 2\\)"):
+        w4a4.RACPlan(torch.tensor([5]), 32)
+    x = torch.randn(2, 32)
+    x[0, 0] = float("inf")
+    with pytest.raises(NVFP4InputError, match="Inf"):
+        w4a4.quantize_activation(x)
+
+
+def test_calibrator_plans():
+    cal = w4a4.RACCalibrator("residual")
+    x = outlier_activations(32, 128, torch.float32)
+    x[:, 32:48] *= 50  # a hot block
+    cal.observe("layers.0.mlp.experts.fc1", x[:16])
+    cal.observe("layers.0.mlp.experts.fc1", x[16:])
+    plans = cal.plans(RACConfig(ratio=0.125).num_channels)
+    plan = plans["layers.0.mlp.experts.fc1"]
+    assert plan.num_channels == 16 and plan.blocks.tolist() == [2]
+    assert cal.tokens["layers.0.mlp.experts.fc1"] == 32
+    amax_cal = w4a4.RACCalibrator("amax")
+    amax_cal.observe("l", x)
+    assert amax_cal.plans(lambda k: 16)["l"].blocks.tolist() == [2]
+
+
+# ----------------------------------------------------------------------------- Triton twins
+
+
+@pytest.mark.parametrize("blocks", [None, [0], [1, 2, 5], list(range(6))])
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("block_k", [None, 32])  # whole row in registers / two passes over chunks
+def test_triton_activation_quant_bit_identical(blocks, static, block_k):
+    x = outlier_activations(20, 96)  # K=96: not a power of two, the single pass masks 128 -> 96
+    x[3] = 0
+    plan = None if blocks is None else w4a4.RACPlan(torch.tensor(blocks), 96)
+    amax = torch.tensor(7.5) if static else None
+    a = w4a4.quantize_activation(x, plan, amax)
+    b = kg.quantize_activation(x, plan, amax, block_k=block_k, block_m=None if block_k else 8)
+    assert same_bits(a.x, b.x)
+    assert (a.residual is None) == (b.residual is None)
+    if a.residual is not None:
+        assert same_bits(a.residual, b.residual)
+
+
+@pytest.mark.parametrize("experts", [4, 5, 8])
+@pytest.mark.parametrize("rac_blocks", [None, [1, 3]])
+def test_triton_grouped_gemm_matches_reference(rac_blocks, experts):
+    e, n, k = experts, 32, 128
+    x = outlier_activations(37, k)
+    # uneven groups, empty experts included, rows reaching the last expert
+    offs = torch.tensor(sorted(torch.randint(0, 38, (e - 1,)).tolist()) + [37])
+    ws = [nvfp4.quantize(torch.randn(n, k) * 0.05 * (i + 1)) for i in range(e)]
+    plan = None if rac_blocks is None else w4a4.RACPlan(torch.tensor(rac_blocks), k)
+    ref = w4a4.grouped_w4a4_reference(x, offs, ws, None if plan is None else [plan] * e)
+    qa = kg.quantize_activation(x, plan)
+    wc, wsc, wsd = kg.stack_expert_weights(ws)
+    mask = None if plan is None else plan.block_mask()
+    y = kg.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, out_dtype=torch.float32, block_n=16, block_k=64)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    y_bf16 = kg.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, block_n=32, block_k=32)
+    assert y_bf16.dtype == torch.bfloat16
+    assert torch.allclose(y_bf16.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+def test_triton_grouped_gemm_checks_shapes():
+    ws = [nvfp4.quantize(torch.randn(16, 64)) for _ in range(2)]
+    wc, wsc, wsd = kg.stack_expert_weights(ws)
+    qa = kg.quantize_activation(torch.randn(4, 128))
+    with pytest.raises(NVFP4InputError, match="does not match weight K"):
+        kg.grouped_w4a4(qa, torch.tensor([2, 4]), wc, wsc, wsd)
+    qa = kg.quantize_activation(torch.randn(4, 64))
+    with pytest.raises(NVFP4InputError, match="offs has 3 entries"):
+        kg.grouped_w4a4(qa, torch.tensor([1, 2, 4]), wc, wsc, wsd)
+
+
+def test_gemm_tile_decode_is_exact_for_every_code_and_scale():
+    """The in-register fp16 decode equals value * s_b * 2^-7 for all 256 code bytes x 127 E4M3 scales."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(c_ptr, s_ptr, lo_ptr, hi_ptr, BR: tl.constexpr, BK: tl.constexpr):
+        rows = tl.arange(0, BR).to(tl.int64)
+        lo, hi = kg._load_decoded(c_ptr, s_ptr, rows, rows < BR, 0, BK, BR, BK)
+        offs = rows[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :]
+        tl.store(lo_ptr + offs, lo.to(tl.float32))
+        tl.store(hi_ptr + offs, hi.to(tl.float32))
+
+    scales = torch.arange(128, dtype=torch.uint8).clamp(max=126).reshape(128, 1).repeat(1, 16)  # 0x7F is NaN
+    for half in (0, 1):
+        codes = torch.arange(128 * half, 128 * half + 128, dtype=torch.uint8).reshape(1, 128).repeat(128, 1)
+        lo, hi = torch.empty(128, 128), torch.empty(128, 128)
+        probe[(1,)](codes.contiguous(), scales.contiguous(), lo, hi, BR=128, BK=256)
+        t = nvfp4.NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), torch.tensor(1.0))
+        want = nvfp4.dequantize(t) / 128
+        assert torch.equal(lo, want[:, 0::2]) and torch.equal(hi, want[:, 1::2])
