@@ -1,0 +1,81 @@
+"""`quads` command line: convert checkpoints to NVFP4, run the CPU RL demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from safetensors.torch import load_file
+
+    from quads_megatron.convert import ConvertError, ConvertOptions, convert_hf, verify_conversion
+
+    input_amax: dict[str, float] = {}
+    if args.input_amax:
+        if args.input_amax.endswith(".json"):
+            with open(args.input_amax) as f:
+                input_amax = {k: float(v) for k, v in json.load(f).items()}
+        else:
+            input_amax = {k: float(v.float().max()) for k, v in load_file(args.input_amax).items()}
+    opts = ConvertOptions(
+        include_shared_experts=args.include_shared_experts,
+        exclude=tuple(args.exclude),
+        input_amax=input_amax,
+        overwrite=args.overwrite,
+        verify=args.verify,
+        progress=not args.quiet,
+    )
+    try:
+        if args.verify_only:
+            n = verify_conversion(args.src, args.dst, opts)
+            print(f"verified {n} tensors of {args.dst} against {args.src}")
+            return 0
+        summary = convert_hf(args.src, args.dst, opts)
+    except ConvertError as e:
+        print(f"quads convert: error: {e}", file=sys.stderr)
+        return 2
+    mb = summary["bytes_in_this_run"] / 1e6
+    secs = max(float(summary["seconds"]), 1e-9)
+    print(
+        f"converted {summary['quantized_modules']} expert linears in {summary['shards']} shards "
+        f"-> {args.dst} ({mb:.1f} MB read, {mb / secs:.1f} MB/s){' verified' if args.verify else ''}"
+    )
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from quads_megatron.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="quads", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("convert", help="HF safetensors (BF16) -> NVFP4 ModelOpt layout")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--exclude", action="append", default=[], help="glob on module names to keep BF16")
+    c.add_argument("--include-shared-experts", action="store_true")
+    c.add_argument("--input-amax", help="calibrated activation amax per module (.json or .safetensors)")
+    c.add_argument("--overwrite", action="store_true")
+    c.add_argument("--verify", action="store_true", help="re-read the output and check it bit for bit")
+    c.add_argument("--verify-only", action="store_true", help="only check an existing conversion")
+    c.add_argument("--quiet", action="store_true")
+    c.set_defaults(func=_convert)
+    try:
+        from quads_megatron.demo import add_arguments
+    except ImportError:  # the demo needs megatron-core
+        add_arguments = None
+    if add_arguments is not None:
+        d = sub.add_parser("demo", help="CPU RL demo: BF16 vs naive NVFP4 vs QUADS rollout")
+        add_arguments(d)
+        d.set_defaults(func=_demo)
+    args = ap.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,431 @@
+"""Checkpoint conversion to NVFP4 (ModelOpt layout) with the trainer's exact scales.
+
+Offline: HF safetensors (BF16) -> NVFP4 ModelOpt layout that stock SGLang/vLLM modelopt loaders
+read: per quantized linear ``weight`` (uint8 [N, K/2]), ``weight_scale`` (float8_e4m3fn
+[N, K/16]), ``weight_scale_2`` (fp32 scalar), ``input_scale`` (fp32, only from calibration),
+plus hf_quant_config.json and config.json ``quantization_config``. Experts only by default;
+gate/up (w1/w3) of one expert share one global amax, which is what the trainer's fused fc1
+per-tensor scale is, so dq(converted) == trainer qdq(W) bit for bit.
+
+Streaming: one source shard at a time (plus a first pass that reads gate/up amaxes); output is
+written to ``<dst>.partial`` with a state file (resumable), then renamed to ``<dst>`` (atomic).
+
+Live sync: megatron_expert_tensors() turns Megatron expert params (SequentialMLP or
+TEGroupedMLP names, any EP rank) into the same HF-named NVFP4 tensors, bucketed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from quads_megatron import __version__, nvfp4
+
+INDEX = "model.safetensors.index.json"
+STATE = "quads_convert_state.json"
+
+# expert projection names: (regex on the parameter name, role)
+_EXPERT_RE = [
+    re.compile(r"^(?P<mod>(?P<expert>.*\.experts\.(?P<idx>\d+))\.(?P<proj>gate_proj|up_proj|down_proj))\.weight$"),
+    re.compile(r"^(?P<mod>(?P<expert>.*\.block_sparse_moe\.experts\.(?P<idx>\d+))\.(?P<proj>w1|w3|w2))\.weight$"),
+]
+_SHARED_RE = re.compile(r"^(?P<mod>(?P<expert>.*\.shared_experts?)\.(?P<proj>gate_proj|up_proj|down_proj))\.weight$")
+_GATE_UP = {"gate_proj": "up_proj", "up_proj": "gate_proj", "w1": "w3", "w3": "w1"}
+
+
+class ConvertError(ValueError):
+    """The source checkpoint cannot be converted; nothing is written to the destination."""
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    include_shared_experts: bool = False
+    exclude: tuple[str, ...] = ()  # glob patterns on module names (without .weight)
+    input_amax: dict[str, float] = field(default_factory=dict)  # module -> calibrated activation amax
+    overwrite: bool = False
+    verify: bool = False
+    progress: bool = True
+
+    def fingerprint(self) -> str:
+        """Hash of the options that shape the output (resuming needs the same ones)."""
+        shaping = {k: v for k, v in asdict(self).items() if k in ("include_shared_experts", "exclude", "input_amax")}
+        return hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def classify(name: str, opts: ConvertOptions) -> tuple[str, str] | None:
+    """(module, expert key) if the parameter is an NVFP4 target under opts, else None."""
+    for rx in _EXPERT_RE:
+        m = rx.match(name)
+        if m:
+            break
+    else:
+        m = _SHARED_RE.match(name) if opts.include_shared_experts else None
+    if m is None or any(fnmatch.fnmatchcase(m["mod"], p) for p in opts.exclude):
+        return None
+    return m["mod"], m["expert"]
+
+
+def pair_module(module: str) -> str | None:
+    """The gate<->up partner of a gate/up (w1/w3) module name, else None."""
+    head, _, proj = module.rpartition(".")
+    return f"{head}.{_GATE_UP[proj]}" if proj in _GATE_UP else None
+
+
+def _check_weight(weight: torch.Tensor, name: str) -> None:
+    if weight.dim() != 2:
+        raise ConvertError(f"{name}: expected a 2-D [N, K] weight, got shape {tuple(weight.shape)}")
+    try:
+        nvfp4.check_quantizable(weight, name)
+    except nvfp4.NVFP4InputError as e:
+        raise ConvertError(str(e)) from e
+
+
+def quantize_linear(weight: torch.Tensor, name: str, global_amax: torch.Tensor | None = None) -> nvfp4.NVFP4Tensor:
+    """Contract quantization of one [N, K] linear weight with a readable error on bad input."""
+    _check_weight(weight, name)
+    return nvfp4.quantize(weight, "tensor", global_amax, check=False)
+
+
+def modelopt_tensors(module: str, q: nvfp4.NVFP4Tensor, input_amax: float | None) -> dict[str, torch.Tensor]:
+    out = {f"{module}.{k}": v.contiguous() for k, v in nvfp4.to_modelopt(q).items()}
+    if input_amax is not None:
+        out[f"{module}.input_scale"] = nvfp4.input_scale_from_amax(torch.tensor(float(input_amax)))
+    return out
+
+
+# ----------------------------------------------------------------------------- HF checkpoints
+
+
+def _shards(src: str) -> dict[str, list[str]]:
+    """shard file -> parameter names, from the index (or the single model.safetensors)."""
+    index_path = os.path.join(src, INDEX)
+    if os.path.exists(index_path):
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ConvertError(f"{index_path}: unreadable safetensors index ({e})") from e
+        shards: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(shard, []).append(name)
+    else:
+        files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
+        if len(files) != 1:
+            raise ConvertError(f"{src}: no {INDEX} and {len(files)} .safetensors files (expected exactly one)")
+        shards = {files[0]: []}
+    for shard in shards:
+        path = os.path.join(src, shard)
+        if not os.path.exists(path):
+            raise ConvertError(f"{src}: the index names {shard}, which is missing (half-written checkpoint?)")
+        try:
+            with safe_open(path, "pt") as f:
+                keys = list(f.keys())
+        except Exception as e:  # safetensors raises its own error types
+            raise ConvertError(f"{path}: not a readable safetensors file ({e})") from e
+        if shards[shard] and set(shards[shard]) != set(keys):
+            raise ConvertError(f"{path}: tensors differ from what {INDEX} lists (half-written checkpoint?)")
+        shards[shard] = keys
+    return shards
+
+
+def _source_fingerprint(src: str, shards: dict[str, list[str]]) -> str:
+    h = hashlib.sha256()
+    for shard in sorted(shards):
+        st = os.stat(os.path.join(src, shard))
+        h.update(f"{shard}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled, self.t0 = total, 0, enabled, time.time()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.enabled:
+            width = 30
+            fill = int(width * self.done / max(self.total, 1))
+            sys.stderr.write(
+                f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} {label[-40:]:<40} "
+                f"{time.time() - self.t0:6.1f}s"
+            )
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def convert_hf(src: str, dst: str, opts: ConvertOptions | None = None) -> dict[str, object]:
+    """Convert an HF safetensors checkpoint directory to NVFP4 ModelOpt layout at dst.
+
+    Returns a summary (quantized modules, bytes in/out, seconds). Raises ConvertError on bad
+    input; dst is only created, by an atomic rename, once everything was written.
+    """
+    opts = opts or ConvertOptions()
+    t0 = time.time()
+    if not os.path.isdir(src):
+        raise ConvertError(f"{src}: not a directory")
+    if os.path.exists(dst) and not opts.overwrite:
+        raise ConvertError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
+    shards = _shards(src)
+    names = [n for keys in shards.values() for n in keys]
+    targets = {n: c for n in names if (c := classify(n, opts)) is not None}
+    if not targets:
+        raise ConvertError(
+            f"{src}: no MoE expert weights recognised (expected names like "
+            "'model.layers.0.mlp.experts.0.gate_proj.weight' or '...block_sparse_moe.experts.0.w1.weight')"
+        )
+    modules = {mod for mod, _ in targets.values()}
+    for mod in modules:
+        partner = pair_module(mod)
+        if partner is not None and partner not in modules:
+            raise ConvertError(f"{mod}: its gate/up partner {partner} is missing or excluded")
+    unknown_calib = sorted(set(opts.input_amax) - modules)
+    if unknown_calib:
+        raise ConvertError(f"input_amax names modules that are not quantized: {unknown_calib[:3]}")
+
+    partial = dst.rstrip("/") + ".partial"
+    fingerprint = {"source": _source_fingerprint(src, shards), "options": opts.fingerprint(), "version": __version__}
+    state = _load_state(partial, fingerprint)
+
+    amaxes = state.get("amax") or _gate_up_amaxes(src, shards, targets)
+    state["amax"] = amaxes
+    progress = _Progress(len(shards), opts.progress)
+    weight_map: dict[str, str] = {}
+    bytes_in = bytes_out = 0
+    for shard, keys in shards.items():
+        out_keys = state.setdefault("done", {}).get(shard)
+        if out_keys is None:
+            out: dict[str, torch.Tensor] = {}
+            with safe_open(os.path.join(src, shard), "pt") as f:
+                for name in keys:
+                    t = f.get_tensor(name)
+                    bytes_in += t.numel() * t.element_size()
+                    if name in targets:
+                        mod, _ = targets[name]
+                        amax = amaxes.get(mod)
+                        q = quantize_linear(t, name, torch.tensor(amax) if amax is not None else None)
+                        out.update(modelopt_tensors(mod, q, opts.input_amax.get(mod)))
+                    else:
+                        out[name] = t
+            save_file(out, os.path.join(partial, shard), metadata={"format": "pt"})
+            bytes_out += sum(v.numel() * v.element_size() for v in out.values())
+            out_keys = sorted(out)
+            state["done"][shard] = out_keys
+            _save_state(partial, state)
+        weight_map.update({k: shard for k in out_keys})
+        progress.step(shard)
+
+    with open(os.path.join(partial, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": bytes_out}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
+    exclude = sorted(_excluded_linears(names, targets))
+    _write_quant_configs(src, partial, exclude)
+    _copy_side_files(src, partial)
+    if opts.verify:
+        verify_conversion(src, partial, opts)
+    os.remove(os.path.join(partial, STATE))
+    if os.path.exists(dst):
+        shutil.rmtree(dst)
+    os.rename(partial, dst)
+    return {
+        "quantized_modules": len(modules),
+        "shards": len(shards),
+        "bytes_in_this_run": bytes_in,
+        "bytes_out_this_run": bytes_out,
+        "seconds": time.time() - t0,
+    }
+
+
+def _load_state(partial: str, fingerprint: dict) -> dict:
+    path = os.path.join(partial, STATE)
+    if os.path.exists(path):
+        with open(path) as f:
+            state = json.load(f)
+        if state.get("fingerprint") == fingerprint:
+            return state  # resume
+        shutil.rmtree(partial)  # a leftover of another source or other options: start over
+    elif os.path.exists(partial):
+        shutil.rmtree(partial)
+    os.makedirs(partial)
+    state = {"fingerprint": fingerprint}
+    _save_state(partial, state)
+    return state
+
+
+def _save_state(partial: str, state: dict) -> None:
+    tmp = os.path.join(partial, STATE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(state, f)
+    os.replace(tmp, os.path.join(partial, STATE))
+
+
+def _gate_up_amaxes(src: str, shards: dict[str, list[str]], targets: dict[str, tuple[str, str]]) -> dict[str, float]:
+    """Shared global amax of every gate/up pair (max over both), as fp32 values."""
+    single: dict[str, float] = {}
+    for shard, keys in shards.items():
+        wanted = [k for k in keys if k in targets and pair_module(targets[k][0]) is not None]
+        if not wanted:
+            continue
+        with safe_open(os.path.join(src, shard), "pt") as f:
+            for name in wanted:
+                t = f.get_tensor(name)
+                _check_weight(t, name)
+                single[targets[name][0]] = float(nvfp4.amax(t))
+    return {mod: max(a, single[pair_module(mod)]) for mod, a in single.items()}
+
+
+def _excluded_linears(names: list[str], targets: dict[str, tuple[str, str]]) -> set[str]:
+    return {n[: -len(".weight")] for n in names if n.endswith(".weight") and n not in targets}
+
+
+def _write_quant_configs(src: str, dst: str, exclude: list[str]) -> None:
+    producer = {"name": "quads_megatron", "version": __version__}
+    hf_quant = {
+        "producer": producer,
+        "quantization": {
+            "quant_algo": "NVFP4",
+            "kv_cache_quant_algo": None,
+            "group_size": 16,
+            "exclude_modules": exclude,
+        },
+    }
+    with open(os.path.join(dst, "hf_quant_config.json"), "w") as f:
+        json.dump(hf_quant, f, indent=1)
+    cfg_path = os.path.join(src, "config.json")
+    config = {}
+    if os.path.exists(cfg_path):
+        with open(cfg_path) as f:
+            config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "group_size": 16,
+        "kv_cache_quant_algo": None,
+        "ignore": exclude,
+        "producer": producer,
+    }
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
+def _copy_side_files(src: str, dst: str) -> None:
+    for name in os.listdir(src):
+        if name.endswith(".safetensors") or name in (INDEX, "config.json", "hf_quant_config.json"):
+            continue
+        path = os.path.join(src, name)
+        if os.path.isfile(path):
+            shutil.copy2(path, os.path.join(dst, name))
+
+
+def verify_conversion(src: str, out: str, opts: ConvertOptions | None = None) -> int:
+    """Re-read out and check every tensor against src: quantized ones bit-identical to a fresh
+    contract quantization (so dq equals the trainer's qdq), others unchanged. Returns the count."""
+    opts = opts or ConvertOptions()
+    shards = _shards(src)
+    targets = {n: c for keys in shards.values() for n in keys if (c := classify(n, opts)) is not None}
+    amaxes = _gate_up_amaxes(src, shards, targets)
+    with open(os.path.join(out, INDEX)) as f:
+        out_map = json.load(f)["weight_map"]
+    handles: dict[str, object] = {}
+
+    def get(name: str) -> torch.Tensor:
+        if name not in out_map:
+            raise ConvertError(f"verify: {name} missing from {out}")
+        shard = out_map[name]
+        if shard not in handles:
+            handles[shard] = safe_open(os.path.join(out, shard), "pt")
+        return handles[shard].get_tensor(name)  # type: ignore[attr-defined]
+
+    count = 0
+    for shard, keys in shards.items():
+        with safe_open(os.path.join(src, shard), "pt") as f:
+            for name in keys:
+                t = f.get_tensor(name)
+                if name in targets:
+                    mod = targets[name][0]
+                    amax = amaxes.get(mod)
+                    want = nvfp4.quantize(t, "tensor", torch.tensor(amax) if amax is not None else None)
+                    got = nvfp4.from_modelopt(
+                        get(f"{mod}.weight"), get(f"{mod}.weight_scale"), get(f"{mod}.weight_scale_2")
+                    )
+                    if not (
+                        torch.equal(got.codes, want.codes)
+                        and torch.equal(got.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8))
+                        and torch.equal(got.global_decode, want.global_decode)
+                    ):
+                        raise ConvertError(f"verify: {mod} differs from the contract quantization of {name}")
+                elif not torch.equal(get(name), t):
+                    raise ConvertError(f"verify: {name} differs from the source")
+                count += 1
+    return count
+
+
+# ----------------------------------------------------------------------------- live sync
+
+
+_MCORE_SEQ = re.compile(
+    r"^(?P<pre>.*?)layers\.(?P<layer>\d+)\.mlp\.experts\.local_experts\.(?P<i>\d+)\.linear_(?P<fc>fc1|fc2)\.weight$"
+)
+_MCORE_TE = re.compile(r"^(?P<pre>.*?)layers\.(?P<layer>\d+)\.mlp\.experts\.linear_(?P<fc>fc1|fc2)\.weight(?P<i>\d+)$")
+
+
+def megatron_expert_tensors(
+    named_params: Iterable[tuple[str, torch.Tensor]],
+    ep_rank: int = 0,
+    num_local_experts: int | None = None,
+    hf_prefix: str = "model.layers",
+    layer_offset: int = 0,
+    input_amax: dict[str, float] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Megatron routed-expert params of one EP rank -> HF-named NVFP4 ModelOpt tensors.
+
+    fc1 [2F, H] (gate | up, GLU) is quantized as one tensor (its amax is the shared gate/up
+    amax) and split by rows into gate_proj / up_proj; fc2 -> down_proj. Global expert index =
+    ep_rank * num_local_experts + local index. Non-expert params are skipped (send them as BF16).
+    Expert-TP shards must be gathered by the caller first (full [2F, H] / [H, F] per expert).
+    """
+    input_amax = input_amax or {}
+    for name, w in named_params:
+        m = _MCORE_SEQ.match(name) or _MCORE_TE.match(name)
+        if m is None:
+            continue
+        if num_local_experts is None:
+            raise ConvertError("num_local_experts is required to map local experts to global indices")
+        g = ep_rank * num_local_experts + int(m["i"])
+        base = f"{hf_prefix}.{int(m['layer']) + layer_offset}.mlp.experts.{g}"
+        q = quantize_linear(w, name)
+        if m["fc"] == "fc2":
+            yield from modelopt_tensors(f"{base}.down_proj", q, input_amax.get(f"{base}.down_proj")).items()
+            continue
+        if q.codes.shape[0] % 2:
+            raise ConvertError(f"{name}: fc1 has an odd row count {q.codes.shape[0]}; expected gate|up halves")
+        half = q.codes.shape[0] // 2
+        for proj, rows in (("gate_proj", slice(0, half)), ("up_proj", slice(half, None))):
+            part = nvfp4.NVFP4Tensor(q.codes[rows], q.block_scales[rows], q.global_decode)
+            yield from modelopt_tensors(f"{base}.{proj}", part, input_amax.get(f"{base}.{proj}")).items()
+
+
+def bucketed(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20) -> Iterator[list]:
+    """Group (name, tensor) pairs into lists of at most bucket_bytes (one oversize tensor per list)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
