@@ -13,7 +13,7 @@ Example (every key optional; these are the defaults)::
       activation_scale: dynamic  # dynamic (per-token global scale) | static (calibrated input_scale)
       rac:
         enabled: true
-        ratio: 0.125             # fraction of K compensated, rounded up to 16 channels
+        ratio: 0.5               # fraction of K compensated, rounded up to 16 channels (QUADS: 50%)
         selection: static        # static (calibrated per layer) | dynamic (per token)
         metric: residual         # calibration statistic: residual (mean |x - dq(q(x))|) | amax
     exclude: []                  # glob patterns of module names never quantized
@@ -41,7 +41,7 @@ class QuadsConfigError(ValueError):
 @dataclass(frozen=True)
 class RACConfig:
     enabled: bool = True
-    ratio: float = 0.125
+    ratio: float = 0.5
     selection: str = "static"
     metric: str = "residual"
 

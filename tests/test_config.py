@@ -9,7 +9,7 @@ from quads_megatron.config import QuadsConfig, QuadsConfigError, RACConfig, load
 
 def test_defaults_and_yaml_roundtrip(tmp_path):
     cfg = QuadsConfig()
-    assert cfg.trainer.linears == ("fc1", "fc2") and cfg.rollout.rac.ratio == 0.125
+    assert cfg.trainer.linears == ("fc1", "fc2") and cfg.rollout.rac.ratio == 0.5
     p = tmp_path / "q.yaml"
     p.write_text(
         "trainer:\n  experts: [routed, shared]\n  layers: [2, 3]\n  scale_mode: row\n"

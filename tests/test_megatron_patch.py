@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from megatron_cpu import build_moe_layer, init_distributed, install_cpu_shims_for_megatron, moe_config
 from quads_megatron.patches import megatron_core
 
 import quads_megatron
 from quads_megatron import fake_quant, nvfp4
+from quads_megatron.cpu_megatron import build_moe_layer, init_distributed, install_cpu_shims_for_megatron, moe_config
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,7 +1,8 @@
-"""Test-side helpers to run real megatron-core MoE layers on a CPU machine.
+"""Run real megatron-core MoE layers on a CPU machine (the CPU demo and the tests use this).
 
-The CPU shims below stand in for CUDA-only calls (see shared notes cpu-megatron.md); they live
-in tests only and are named as shims.
+install_cpu_shims_for_megatron() stands in for the CUDA-only calls megatron-core makes in MoE
+layers (see shared notes cpu-megatron.md). It does nothing where CUDA is available; nothing
+else in quads_megatron imports this module.
 """
 
 from __future__ import annotations
