@@ -1,0 +1,26 @@
+"""Live weight sync, trainer side: Megatron expert params of one EP rank -> NVFP4 ModelOpt tensors
+with HF names, in buckets ready for an inference engine's update_weights_from_tensor.
+
+Runs on a CPU: builds a real megatron-core MoE layer (4 experts) and prints the buckets. In a
+real job, call megatron_expert_tensors(model.named_parameters(), ep_rank, num_local_experts) on
+every EP rank (after gathering expert-TP shards) and send each bucket.
+"""
+
+from quads_megatron import convert
+from quads_megatron.cpu_megatron import build_moe_layer, init_distributed, install_cpu_shims_for_megatron, moe_config
+
+
+def main() -> None:
+    install_cpu_shims_for_megatron()
+    init_distributed()
+    layer = build_moe_layer(moe_config(num_experts=4, hidden=64, ffn=64), layer_number=1)
+    named = [(f"decoder.layers.0.mlp.{n}", p.detach()) for n, p in layer.named_parameters()]
+    tensors = convert.megatron_expert_tensors(named, ep_rank=0, num_local_experts=4)
+    for i, bucket in enumerate(convert.bucketed(tensors, bucket_bytes=16 << 10)):
+        size = sum(t.numel() * t.element_size() for _, t in bucket)
+        print(f"bucket {i}: {len(bucket)} tensors, {size} bytes")
+        for name, t in bucket[:4]:
+            print(f"  {name} {tuple(t.shape)} {t.dtype}")
+
+if __name__ == "__main__":
+    main()
