@@ -22,5 +22,6 @@ def main() -> None:
         for name, t in bucket[:4]:
             print(f"  {name} {tuple(t.shape)} {t.dtype}")
 
+
 if __name__ == "__main__":
     main()

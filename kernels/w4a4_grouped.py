@@ -3,14 +3,19 @@
 * quantize_activation: x [M, K] -> per-token NVFP4 codes/scales, S_dec [M, 1], and (RAC) the
   dense residual codes/scales, bit-identical to quads_megatron.w4a4.quantize_activation.
 * grouped_w4a4: y[rows of expert e] = S_dec_x * S_dec_w[e] * ([A | R_S] @ [W_e | W_e,S]^T).
-  FP4 codes are decoded in registers to fp16 by bit operations (value * E4M3 scale * 2^-7 is
-  exact in fp16), products are exact on the fp16 tensor cores and sums accumulate in fp32.
-  The residual part reuses the weight tile already in registers, only for K tiles holding
-  compensated blocks. Expert rows follow ``offs`` (cumulative row ends, as torch._grouped_mm);
-  tiles are scheduled on device (no host sync).
+  FP4 codes are decoded in registers to fp16 by bit operations (PTX on the GPU; value * E4M3
+  scale * 2^-7 is exact in fp16), products run on the fp16 tensor cores, sums accumulate in fp32.
+  Because W_S are W's own columns (same codes and scales), the augmented-K product is computed
+  as (A + R) @ W^T with the residual added to the decoded activation tile: no extra MMA and no
+  extra weight traffic. A + R is exact in fp16 unless the two terms span more than 11 bits
+  (then it rounds at 2^-11 relative); without RAC every product is exact.
+  Expert rows follow ``offs`` (cumulative row ends, as torch._grouped_mm); tiles are scheduled
+  on device (no host sync).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -248,22 +253,92 @@ def quantize_activation(
 
 
 @triton.jit
-def _load_decoded(code_ptr, scale_ptr, rows64, rmask, k0, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+def _fp4_bits_to_fp16(c, HI: tl.constexpr, USE_ASM: tl.constexpr):
+    """Packed code bytes (uint8) -> fp16 value * 2^-14 of the low (HI=False) or high nibble.
+
+    fp16 bits (code & 7) << 9 | (code & 8) << 12 are exactly value * 2^-14, subnormals included.
+    USE_ASM (GPU): 4 bytes per PTX sequence (prmt spreads bytes to 16-bit lanes, shl/and/lop3
+    place the bits of two lanes at once); otherwise plain integer ops (also the interpreter's path).
+    """
+    if USE_ASM:
+        if HI:
+            return tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 t0, t1, a, b, z;
+                mov.b32 z, 0;
+                prmt.b32 t0, $2, z, 0x4140;
+                prmt.b32 t1, $2, z, 0x4342;
+                shl.b32 a, t0, 5;
+                and.b32 a, a, 0x0E000E00;
+                shl.b32 b, t0, 8;
+                lop3.b32 $0, b, 0x80008000, a, 0xEA;
+                shl.b32 a, t1, 5;
+                and.b32 a, a, 0x0E000E00;
+                shl.b32 b, t1, 8;
+                lop3.b32 $1, b, 0x80008000, a, 0xEA;
+                }""",
+                constraints="=r,=r,r",
+                args=[c],
+                dtype=tl.float16,
+                is_pure=True,
+                pack=4,
+            )
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t0, t1, a, b, z;
+            mov.b32 z, 0;
+            prmt.b32 t0, $2, z, 0x4140;
+            prmt.b32 t1, $2, z, 0x4342;
+            shl.b32 a, t0, 9;
+            and.b32 a, a, 0x0E000E00;
+            shl.b32 b, t0, 12;
+            lop3.b32 $0, b, 0x80008000, a, 0xEA;
+            shl.b32 a, t1, 9;
+            and.b32 a, a, 0x0E000E00;
+            shl.b32 b, t1, 12;
+            lop3.b32 $1, b, 0x80008000, a, 0xEA;
+            }""",
+            constraints="=r,=r,r",
+            args=[c],
+            dtype=tl.float16,
+            is_pure=True,
+            pack=4,
+        )
+    ci = c.to(tl.int32)
+    if HI:
+        bits = ((ci & 0x70) << 5) | ((ci & 0x80) << 8)
+    else:
+        bits = ((ci & 7) << 9) | ((ci & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _load_decoded(
+    code_ptr,
+    scale_ptr,
+    rows64,
+    rmask,
+    k0,
+    K: tl.constexpr,
+    BR: tl.constexpr,
+    BK: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
     """Rows of an NVFP4 matrix (codes [R, K/2], scale bytes [R, K/16]) for K columns [k0, k0+BK)
     -> (even, odd) fp16 tiles [BR, BK/2] holding value * s_b * 2^-7 (exact).
 
-    fp16 bits (code & 7) << 9 are value * 2^-14 (subnormals included); times fp16(s_b * 2^7) the
-    product has <= 6 significant bits in [2^-17, 21]: exact. Callers multiply dot results by 2^14.
+    value * 2^-14 (fp16 bits) times fp16(s_b * 2^7) has <= 6 significant bits in [2^-17, 21]:
+    exact. Callers multiply dot results by 2^14. Rows outside rmask decode to 0.
     (A 3-D [rows, blocks, 8] variant measured slower on H200, 2026-12-02.)
     """
     p = k0 // 2 + tl.arange(0, BK // 2)
     b = k0 // 16 + tl.arange(0, BK // 16)
-    c = tl.load(code_ptr + rows64[:, None] * (K // 2) + p[None, :], mask=rmask[:, None], other=0).to(tl.int32)
+    c = tl.load(code_ptr + rows64[:, None] * (K // 2) + p[None, :], mask=rmask[:, None], other=0)
     sb = tl.load(scale_ptr + rows64[:, None] * (K // 16) + b[None, :], mask=rmask[:, None], other=0)
     s16 = (e4m3_value(sb.to(tl.int32)) * 128.0).to(tl.float16)
     s_full = tl.reshape(tl.broadcast_to(s16[:, :, None], (BR, BK // 16, 8)), (BR, BK // 2))
-    lo = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True) * s_full
-    hi = (((c & 0x70) << 5) | ((c & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True) * s_full
+    lo = _fp4_bits_to_fp16(c, False, USE_ASM) * s_full
+    hi = _fp4_bits_to_fp16(c, True, USE_ASM) * s_full
     return lo, hi
 
 
@@ -287,6 +362,7 @@ def _grouped_w4a4_kernel(
     K: tl.constexpr,
     HAS_RES: tl.constexpr,
     LOG2_E: tl.constexpr,
+    USE_ASM: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -313,17 +389,18 @@ def _grouped_w4a4_kernel(
     wrow = e.to(tl.int64) * N + ncols.to(tl.int64)
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, K, BK):
-        w_lo, w_hi = _load_decoded(w_ptr, ws_ptr, wrow, nmask, k0, K, BN, BK)
-        a_lo, a_hi = _load_decoded(a_ptr, as_ptr, rows64, rmask, k0, K, BM, BK)
-        acc = tl.dot(a_lo, tl.trans(w_lo), acc)
-        acc = tl.dot(a_hi, tl.trans(w_hi), acc)
+        w_lo, w_hi = _load_decoded(w_ptr, ws_ptr, wrow, nmask, k0, K, BN, BK, USE_ASM)
+        a_lo, a_hi = _load_decoded(a_ptr, as_ptr, rows64, rmask, k0, K, BM, BK, USE_ASM)
         if HAS_RES:
+            # augmented K folded into the A operand: [A | R_S] @ [W | W_S]^T == (A + R) @ W^T because
+            # W_S are W's own columns; R is zero off the selection and tiles without it load nothing
             b = k0 // 16 + tl.arange(0, BK // 16)
             tile_sel = tl.max(tl.load(rmask_ptr + e * rmask_estride + b).to(tl.int32), axis=0)
-            if tile_sel != 0:  # augmented K: residual blocks against the same weight registers
-                r_lo, r_hi = _load_decoded(r_ptr, rs_ptr, rows64, rmask, k0, K, BM, BK)
-                acc = tl.dot(r_lo, tl.trans(w_lo), acc)
-                acc = tl.dot(r_hi, tl.trans(w_hi), acc)
+            r_lo, r_hi = _load_decoded(r_ptr, rs_ptr, rows64, rmask & (tile_sel != 0), k0, K, BM, BK, USE_ASM)
+            a_lo += r_lo
+            a_hi += r_hi
+        acc = tl.dot(a_lo, tl.trans(w_lo), acc)
+        acc = tl.dot(a_hi, tl.trans(w_hi), acc)
     acc = acc * 16384.0  # undo 2^-7 on each operand (exact power of two)
     sa = tl.load(asdec_ptr + rows, mask=rmask, other=0.0)
     sw = tl.load(wsdec_ptr + e)
@@ -354,6 +431,7 @@ def grouped_w4a4(
     block_k: int = 128,
     num_warps: int = 4,
     num_stages: int = 3,
+    use_asm: bool | None = None,
 ) -> torch.Tensor:
     """Grouped W4A4(+RAC) GEMM -> y [M, N] in out_dtype.
 
@@ -388,6 +466,8 @@ def grouped_w4a4(
     else:
         mask, estride = torch.zeros(1, dtype=torch.int8, device=dev), 0
         r, rs = qa.x.codes, qa.x.block_scales.view(torch.uint8)
+    if use_asm is None:  # PTX decode on a GPU; the interpreter runs the integer-op twin
+        use_asm = dev.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
     grid = (triton.cdiv(m, block_m) + e_count, triton.cdiv(n, block_n))
     _grouped_w4a4_kernel[grid](
         qa.x.codes,
@@ -408,6 +488,7 @@ def grouped_w4a4(
         K=k,
         HAS_RES=has_res,
         LOG2_E=max(1, (e_count - 1).bit_length()),
+        USE_ASM=use_asm,
         BM=block_m,
         BN=block_n,
         BK=block_k,
