@@ -43,9 +43,17 @@ CONFIGS = [  # (BM, BN, BK, warps, stages)
 
 
 def bench(fn) -> float:
+    """Median GPU time (us) of fn's kernels, replayed from a CUDA graph: launch overhead excluded."""
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3  # us
+    return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
+
+
+def bench_eager(fn) -> float:
+    """Median time (us) of eager calls, Python launch overhead included (no CUDA graph)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
 
 
 def routing(tokens: int, gen: torch.Generator) -> torch.Tensor:
@@ -209,61 +217,51 @@ def time_sizes(tokens_list, log) -> list[dict]:
             )
         except Exception as e:  # report, do not hide
             r["fp8_error"] = repr(e)[:200]
-        qa0 = kg.quantize_activation(x)
+        qa0 = kg.activation_operand(x)
         best = None
         for cfg in CONFIGS:
             if cfg[0] > 16 and rows < 4 * 1024:
                 continue
             if cfg[0] == 16 and rows > 64 * 1024:
                 continue
-            fn = lambda cfg=cfg: kg.grouped_w4a4(
-                qa0,
-                offs,
-                wc,
-                wsc,
-                wsd,
-                block_m=cfg[0],
-                block_n=cfg[1],
-                block_k=cfg[2],
-                num_warps=cfg[3],
-                num_stages=cfg[4],
-            )
-            try:
-                t = bench(fn)
-            except Exception as e:
-                log(f"config {cfg} failed: {repr(e)[:160]}")
-                continue
-            if best is None or t < best[0]:
-                best = (t, cfg)
-        t_gemm, cfg = best
-        r["config"] = f"BM{cfg[0]} BN{cfg[1]} BK{cfg[2]} w{cfg[3]} s{cfg[4]}"
+            for asm in (True, False):
+                kw = dict(block_m=cfg[0], block_n=cfg[1], block_k=cfg[2], num_warps=cfg[3], num_stages=cfg[4])
+                try:
+                    t = bench(lambda kw=kw, asm=asm: kg.grouped_w4a4(qa0, offs, wc, wsc, wsd, use_asm=asm, **kw))
+                except Exception as e:
+                    log(f"config {cfg} asm={asm} failed: {repr(e)[:160]}")
+                    continue
+                key = "best_gemm_us_ptx_decode" if asm else "best_gemm_us_intop_decode"
+                r[key] = min(r.get(key, float("inf")), t)
+                if best is None or t < best[0]:
+                    best = (t, kw, asm)
+        t_gemm, kw, asm = best
+        r["config"] = (
+            f"BM{kw['block_m']} BN{kw['block_n']} BK{kw['block_k']} w{kw['num_warps']} {'ptx' if asm else 'int-op'}"
+        )
         r["w4a4_gemm_us"] = t_gemm
-        r["act_quant_us"] = bench(lambda: kg.quantize_activation(x, check=False))
-        r["w4a4_total_us"] = r["w4a4_gemm_us"] + r["act_quant_us"]
+        r["act_quant_us"] = bench(lambda: kg.activation_operand(x, check=False))
+
+        def w4a4_step(plan=None, mask=None):
+            op = kg.activation_operand(x, plan, check=False, block_mask=mask)
+            return kg.grouped_w4a4(op, offs, wc, wsc, wsd, use_asm=asm, **kw)
+
+        def codes_step(plan=None, mask=None):  # FP4 codes to the GEMM, decoded per tile there
+            qa = kg.quantize_activation(x, plan, check=False, block_mask=mask)
+            return kg.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, use_asm=asm, **kw)
+
+        r["codes_path_total_us"] = bench(codes_step)
+
+        r["w4a4_total_us"] = bench(w4a4_step)  # quant + GEMM in one graph
+        r["w4a4_total_eager_us"] = bench_eager(w4a4_step)  # with Python launch overhead, no graph
         for ratio in (0.125, 0.25, 0.5):
             nch = RACConfig(ratio=ratio).num_channels(HIDDEN)
             plan = w4a4.RACPlan.from_scores(w4a4.residual_block_scores(x[:256]).sum(0), nch)
-            mask = plan.block_mask("cuda")
-            qa = kg.quantize_activation(x, plan)
-            tg = bench(
-                lambda qa=qa, mask=mask: kg.grouped_w4a4(
-                    qa,
-                    offs,
-                    wc,
-                    wsc,
-                    wsd,
-                    mask,
-                    block_m=cfg[0],
-                    block_n=cfg[1],
-                    block_k=cfg[2],
-                    num_warps=cfg[3],
-                    num_stages=cfg[4],
-                )
-            )
-            tq = bench(lambda plan=plan: kg.quantize_activation(x, plan, check=False))
-            r[f"rac{int(ratio * 1000) / 10}_gemm_us"], r[f"rac{int(ratio * 1000) / 10}_quant_us"] = tg, tq
-            r[f"rac{int(ratio * 1000) / 10}_total_us"] = tg + tq
-            r[f"rac{int(ratio * 1000) / 10}_extra_pct"] = 100 * ((tg + tq) / r["w4a4_total_us"] - 1)
+            mask = plan.block_mask("cuda").to(torch.int8)
+            tag = f"rac{int(ratio * 1000) / 10}"
+            r[f"{tag}_total_us"] = bench(lambda plan=plan, mask=mask: w4a4_step(plan, mask))
+            r[f"{tag}_codes_path_total_us"] = bench(lambda plan=plan, mask=mask: codes_step(plan, mask))
+            r[f"{tag}_extra_pct"] = 100 * (r[f"{tag}_total_us"] / r["w4a4_total_us"] - 1)
         # HBM floor: weights of active experts + activations (codes+scales) + bf16 output
         bytes_moved = nvfp4_bytes * active / E + rows * (HIDDEN // 2 + HIDDEN // 16 + 4) + rows * 2 * INTER * 2
         r["hbm_roofline_pct"] = 100 * (bytes_moved / 4.0e12) / (r["w4a4_total_us"] * 1e-6)
@@ -280,21 +278,29 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str) -> str:
         f"# W4A4 NVFP4 MoE benchmark ({datetime.date.today().isoformat()}, {device}, torch {torch.__version__})",
         "",
         "Expert fc1 of a Qwen3-30B-A3B-shaped layer: 128 experts, K=2048, N=2x768, top-8, random routing.",
-        "Ours = fused activation quant (Triton) + grouped W4A4 GEMM (Triton, FP4 decoded in registers,",
-        "exact products, fp32 accumulation; RAC folded into the activation operand).",
+        "Ours = activation quant kernel emitting the decoded fp16 operand (RAC folded in) + grouped GEMM",
+        "decoding FP4 weights in registers (exact products, fp32 accumulation). 'codes path' = FP4",
+        "activation codes decoded inside the GEMM instead.",
         "Peers: torch._grouped_mm (bf16) and torch._scaled_grouped_mm",
         "(FP8 rowwise, activation quant not timed). Ratios > 1 mean ours is faster. Roofline: 4.0 TB/s.",
+        "All times are medians of CUDA-graph replays (launch overhead excluded) unless marked eager.",
         "",
-        "| tokens | rows | bf16 us | fp8 us | W4A4 us (quant+gemm) | vs bf16 | vs fp8 | % HBM roofline "
-        "| RAC 12.5% extra | RAC 25% extra | RAC 50% extra | config |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tokens | rows | bf16 us | fp8 us | W4A4 us (quant; gemm) | vs bf16 | vs fp8 | % HBM roofline "
+        "| RAC 12.5% extra | RAC 25% extra | RAC 50% extra | gemm ptx / int-op decode us | eager W4A4 us "
+        "| codes path us (RAC 50%) | config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res:
         lines.append(
             f"| {r['tokens']} | {r['rows']} | {r['bf16_us']:.1f} | {r.get('fp8_us', float('nan')):.1f} "
-            f"| {r['w4a4_total_us']:.1f} ({r['act_quant_us']:.1f}+{r['w4a4_gemm_us']:.1f}) | {r['vs_bf16']:.2f} "
+            f"| {r['w4a4_total_us']:.1f} ({r['act_quant_us']:.1f}; {r['w4a4_gemm_us']:.1f}) | {r['vs_bf16']:.2f} "
             f"| {r.get('vs_fp8', float('nan')):.2f} | {r['hbm_roofline_pct']:.0f} | {r['rac12.5_extra_pct']:.1f}% "
-            f"| {r['rac25.0_extra_pct']:.1f}% | {r['rac50.0_extra_pct']:.1f}% | {r['config']} |"
+            f"| {r['rac25.0_extra_pct']:.1f}% | {r['rac50.0_extra_pct']:.1f}% "
+            f"| {r.get('best_gemm_us_ptx_decode', float('nan')):.1f} "
+            f"/ {r.get('best_gemm_us_intop_decode', float('nan')):.1f} "
+            f"| {r['w4a4_total_eager_us']:.1f} "
+            f"| {r['codes_path_total_us']:.1f} ({r['rac50.0_codes_path_total_us']:.1f}) "
+            f"| {r['config']} |"
         )
     lines += [
         "",

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -65,12 +66,15 @@ def _encode_store_chunk(
     scales_ptr,
     rcodes_ptr,
     rscales_ptr,
+    op_ptr,
     K: tl.constexpr,
     HAS_RES: tl.constexpr,
+    OPERAND: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Encode columns [k0, k0+BLOCK_K) of BLOCK_M rows (x0/x1: even/odd fp32 [BLOCK_M, BLOCK_K/2]) and store."""
+    """Encode columns [k0, k0+BLOCK_K) of BLOCK_M rows (x0/x1: even/odd fp32 [BLOCK_M, BLOCK_K/2]) and store
+    codes and scales, or (OPERAND) the decoded fp16 GEMM operand [M, 2, K/2] (see activation_operand)."""
     HALF: tl.constexpr = BLOCK_K // 2
     NB: tl.constexpr = BLOCK_K // 16
     pairs = k0 // 2 + tl.arange(0, HALF)
@@ -78,19 +82,37 @@ def _encode_store_chunk(
     pmask = rmask[:, None] & (pairs[None, :] < K // 2)
     bmask = rmask[:, None] & (blocks[None, :] < K // 16)
     packed, sb_code, sb = nvfp4_block_encode(x0, x1, s_enc, s_dec, BLOCK_M, BLOCK_K)
-    tl.store(codes_ptr + rows64[:, None] * (K // 2) + pairs[None, :], packed.to(tl.uint8), mask=pmask)
-    tl.store(scales_ptr + rows64[:, None] * (K // 16) + blocks[None, :], sb_code.to(tl.uint8), mask=bmask)
+    if not OPERAND:
+        tl.store(codes_ptr + rows64[:, None] * (K // 2) + pairs[None, :], packed.to(tl.uint8), mask=pmask)
+        tl.store(scales_ptr + rows64[:, None] * (K // 16) + blocks[None, :], sb_code.to(tl.uint8), mask=bmask)
+    sb_full = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
+    v0 = e2m1_value(packed & 15) * sb_full  # value(q) * s_b: exact in fp32
+    v1 = e2m1_value(packed >> 4) * sb_full
     if HAS_RES:
         sel = tl.load(mask_ptr + blocks, mask=blocks < K // 16, other=0)
         sel_full = tl.reshape(tl.broadcast_to(sel[None, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
-        sb_full = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
-        dq0 = (e2m1_value(packed & 15) * sb_full) * s_dec[:, None]
-        dq1 = (e2m1_value(packed >> 4) * sb_full) * s_dec[:, None]
-        r0 = tl.where(sel_full != 0, x0 - dq0, 0.0)
-        r1 = tl.where(sel_full != 0, x1 - dq1, 0.0)
-        rpacked, rsb_code, _ = nvfp4_block_encode(r0, r1, s_enc, s_dec, BLOCK_M, BLOCK_K)
-        tl.store(rcodes_ptr + rows64[:, None] * (K // 2) + pairs[None, :], rpacked.to(tl.uint8), mask=pmask)
-        tl.store(rscales_ptr + rows64[:, None] * (K // 16) + blocks[None, :], rsb_code.to(tl.uint8), mask=bmask)
+        r0 = tl.where(sel_full != 0, x0 - v0 * s_dec[:, None], 0.0)
+        r1 = tl.where(sel_full != 0, x1 - v1 * s_dec[:, None], 0.0)
+        rpacked, rsb_code, rsb = nvfp4_block_encode(r0, r1, s_enc, s_dec, BLOCK_M, BLOCK_K)
+        if OPERAND:
+            rsb_full = tl.reshape(tl.broadcast_to(rsb[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
+            # fp16(a) + fp16(r) rounded once to fp16: what the GEMM's in-register fold computes
+            v0 = (v0 * 0.0078125).to(tl.float16).to(tl.float32) + (e2m1_value(rpacked & 15) * rsb_full * 0.0078125).to(
+                tl.float16
+            ).to(tl.float32)
+            v1 = (v1 * 0.0078125).to(tl.float16).to(tl.float32) + (e2m1_value(rpacked >> 4) * rsb_full * 0.0078125).to(
+                tl.float16
+            ).to(tl.float32)
+        else:
+            tl.store(rcodes_ptr + rows64[:, None] * (K // 2) + pairs[None, :], rpacked.to(tl.uint8), mask=pmask)
+            tl.store(rscales_ptr + rows64[:, None] * (K // 16) + blocks[None, :], rsb_code.to(tl.uint8), mask=bmask)
+    elif OPERAND:
+        v0 = v0 * 0.0078125
+        v1 = v1 * 0.0078125
+    if OPERAND:  # [M, 2, K/2]: even elements, then odd elements of each row
+        base = op_ptr + rows64[:, None] * K + pairs[None, :]
+        tl.store(base, v0.to(tl.float16), mask=pmask)
+        tl.store(base + K // 2, v1.to(tl.float16), mask=pmask)
 
 
 @triton.jit
@@ -118,12 +140,14 @@ def _act_quant_kernel(
     scales_ptr,
     rcodes_ptr,
     rscales_ptr,
+    op_ptr,
     sdec_ptr,
     M,
     stride_xm,
     K: tl.constexpr,
     STATIC: tl.constexpr,
     HAS_RES: tl.constexpr,
+    OPERAND: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -151,8 +175,10 @@ def _act_quant_kernel(
             scales_ptr,
             rcodes_ptr,
             rscales_ptr,
+            op_ptr,
             K,
             HAS_RES,
+            OPERAND,
             BLOCK_M,
             BLOCK_K,
         )
@@ -181,27 +207,30 @@ def _act_quant_kernel(
                 scales_ptr,
                 rcodes_ptr,
                 rscales_ptr,
+                op_ptr,
                 K,
                 HAS_RES,
+                OPERAND,
                 BLOCK_M,
                 BLOCK_K,
             )
 
 
-def quantize_activation(
-    x: torch.Tensor,
-    plan: RACPlan | None = None,
-    static_amax: torch.Tensor | None = None,
-    block_m: int | None = None,
-    block_k: int | None = None,
-    check: bool = True,
-    num_warps: int = 4,
-) -> QuantizedActivation:
-    """Triton twin of quads_megatron.w4a4.quantize_activation (static plans; same bits).
+@dataclass(frozen=True)
+class ActivationOperand:
+    """The Hopper GEMM's activation operand for x [M, K], made once per GEMM.
 
-    Defaults: the whole row in registers when K <= 4096 (one read of x), 1 row per program for
-    small M (parallelism) and 4 for large M.
+    values: fp16 [M, 2, K/2] = (value(q) * s_b [+ value(q_r) * s_r]) * 2^-7: even elements, then odd
+        elements of each row; exactly what the GEMM would decode from the codes in registers, with
+        the RAC residual already folded in (fp16 sum, see the module docstring).
+    global_decode: S_dec [M, 1] of the per-token (or static) global scale.
     """
+
+    values: torch.Tensor
+    global_decode: torch.Tensor
+
+
+def _launch_act_quant(x, plan, static_amax, block_m, block_k, check, num_warps, block_mask, operand):
     if check:
         nvfp4.check_quantizable(x, "activation")
     if x.dim() != 2:
@@ -216,13 +245,23 @@ def quantize_activation(
     if block_m is None:
         block_m = 1 if m <= 8192 else 4
     dev = x.device
-    codes = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
-    scales = torch.empty((m, k // 16), dtype=torch.uint8, device=dev)
-    sdec = torch.empty((m,), dtype=torch.float32, device=dev)
     has_res = plan is not None and plan.blocks.numel() > 0
-    rcodes = torch.empty_like(codes) if has_res else codes
-    rscales = torch.empty_like(scales) if has_res else scales
-    mask = plan.block_mask(dev).to(torch.int8) if has_res else torch.zeros(1, dtype=torch.int8, device=dev)
+    sdec = torch.empty((m,), dtype=torch.float32, device=dev)
+    if operand:
+        op = torch.empty((m, 2, k // 2), dtype=torch.float16, device=dev)
+        codes = scales = rcodes = rscales = op  # not written in operand mode
+    else:
+        op = sdec  # not written
+        codes = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
+        scales = torch.empty((m, k // 16), dtype=torch.uint8, device=dev)
+        rcodes = torch.empty_like(codes) if has_res else codes
+        rscales = torch.empty_like(scales) if has_res else scales
+    if not has_res:
+        mask = torch.zeros(1, dtype=torch.int8, device=dev)
+    elif block_mask is not None:  # precomputed on the device (e.g. for CUDA-graph capture)
+        mask = block_mask.to(device=dev, dtype=torch.int8)
+    else:
+        mask = plan.block_mask(dev).to(torch.int8)
     amax = static_amax.detach().float().reshape(1).to(dev) if static_amax is not None else sdec
     _act_quant_kernel[(triton.cdiv(m, block_m),)](
         x,
@@ -232,21 +271,59 @@ def quantize_activation(
         scales,
         rcodes,
         rscales,
+        op,
         sdec,
         m,
         x.stride(0),
         K=k,
         STATIC=static_amax is not None,
         HAS_RES=has_res,
+        OPERAND=operand,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
         num_warps=num_warps,
         enable_fp_fusion=False,  # keep x - (v*s_b)*S_dec rounded as the torch reference does
     )
     g = sdec.reshape(m, 1)
+    if operand:
+        return ActivationOperand(op, g)
     xq = NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), g)
     res = NVFP4Tensor(rcodes, rscales.view(torch.float8_e4m3fn), g) if has_res else None
     return QuantizedActivation(xq, res)
+
+
+def quantize_activation(
+    x: torch.Tensor,
+    plan: RACPlan | None = None,
+    static_amax: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_k: int | None = None,
+    check: bool = True,
+    num_warps: int = 4,
+    block_mask: torch.Tensor | None = None,
+) -> QuantizedActivation:
+    """Triton twin of quads_megatron.w4a4.quantize_activation (static plans; same bits).
+
+    Defaults: the whole row in registers when K <= 4096 (one read of x), 1 row per program for
+    small M (parallelism) and 4 for large M. block_mask: the plan's int8 [K/16] mask already on
+    the device (avoids a host-to-device copy, e.g. inside CUDA-graph capture).
+    """
+    return _launch_act_quant(x, plan, static_amax, block_m, block_k, check, num_warps, block_mask, False)
+
+
+def activation_operand(
+    x: torch.Tensor,
+    plan: RACPlan | None = None,
+    static_amax: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_k: int | None = None,
+    check: bool = True,
+    num_warps: int = 4,
+    block_mask: torch.Tensor | None = None,
+) -> ActivationOperand:
+    """Quantize x like quantize_activation, but emit the GEMM's decoded fp16 operand instead of codes
+    (same arguments). The Hopper GEMM then decodes only the weights, and RAC costs it nothing."""
+    return _launch_act_quant(x, plan, static_amax, block_m, block_k, check, num_warps, block_mask, True)
 
 
 # ----------------------------------------------------------------------------- grouped GEMM
@@ -363,6 +440,7 @@ def _grouped_w4a4_kernel(
     HAS_RES: tl.constexpr,
     LOG2_E: tl.constexpr,
     USE_ASM: tl.constexpr,
+    A_OPERAND: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -390,7 +468,12 @@ def _grouped_w4a4_kernel(
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, K, BK):
         w_lo, w_hi = _load_decoded(w_ptr, ws_ptr, wrow, nmask, k0, K, BN, BK, USE_ASM)
-        a_lo, a_hi = _load_decoded(a_ptr, as_ptr, rows64, rmask, k0, K, BM, BK, USE_ASM)
+        if A_OPERAND:  # pre-decoded fp16 activation operand [M, 2, K/2] (RAC already folded in)
+            pa = a_ptr + rows64[:, None] * K + (k0 // 2 + tl.arange(0, BK // 2))[None, :]
+            a_lo = tl.load(pa, mask=rmask[:, None], other=0.0)
+            a_hi = tl.load(pa + K // 2, mask=rmask[:, None], other=0.0)
+        else:
+            a_lo, a_hi = _load_decoded(a_ptr, as_ptr, rows64, rmask, k0, K, BM, BK, USE_ASM)
         if HAS_RES:
             # augmented K folded into the A operand: [A | R_S] @ [W | W_S]^T == (A + R) @ W^T because
             # W_S are W's own columns; R is zero off the selection and tiles without it load nothing
@@ -419,7 +502,7 @@ def stack_expert_weights(weights: list[NVFP4Tensor]) -> tuple[torch.Tensor, torc
 
 
 def grouped_w4a4(
-    qa: QuantizedActivation,
+    qa: QuantizedActivation | ActivationOperand,
     offs: torch.Tensor,
     w_codes: torch.Tensor,
     w_scales: torch.Tensor,
@@ -435,15 +518,20 @@ def grouped_w4a4(
 ) -> torch.Tensor:
     """Grouped W4A4(+RAC) GEMM -> y [M, N] in out_dtype.
 
-    qa: quantized activations of all rows (rows of expert e are offs[e-1]:offs[e]).
+    qa: activations of all rows (rows of expert e are offs[e-1]:offs[e]): NVFP4 codes
+        (QuantizedActivation, decoded in the GEMM; RAC residual added per tile) or the pre-decoded
+        ActivationOperand (faster: only weights are decoded; RAC already folded in).
     w_codes/w_scales/w_sdec: stack_expert_weights output. res_block_mask: int8/bool [K/16] or
     [E, K/16] marking compensated blocks (None: every block may hold residual).
     """
     e_count, n, k_half = w_codes.shape
     k = k_half * 2
-    m = qa.x.codes.shape[0]
-    if qa.x.codes.shape[1] != k_half:
-        raise NVFP4InputError(f"activation K={qa.x.codes.shape[1] * 2} does not match weight K={k}")
+    a_operand = isinstance(qa, ActivationOperand)
+    m, act_k = (
+        (qa.values.shape[0], qa.values.shape[2] * 2) if a_operand else (qa.x.codes.shape[0], qa.x.codes.shape[1] * 2)
+    )
+    if act_k != k:
+        raise NVFP4InputError(f"activation K={act_k} does not match weight K={k}")
     if offs.numel() != e_count:
         raise NVFP4InputError(f"offs has {offs.numel()} entries for {e_count} experts")
     if k % block_k:
@@ -454,7 +542,7 @@ def grouped_w4a4(
     tiles = torch.zeros(e_count + 1, dtype=torch.int32, device=dev)
     tiles[1:] = torch.cumsum((counts + block_m - 1) // block_m, 0)
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
-    has_res = qa.residual is not None
+    has_res = not a_operand and qa.residual is not None
     if has_res:
         mask = (
             torch.ones(k // 16, dtype=torch.int8, device=dev)
@@ -465,16 +553,20 @@ def grouped_w4a4(
         r, rs = qa.residual.codes, qa.residual.block_scales.view(torch.uint8)
     else:
         mask, estride = torch.zeros(1, dtype=torch.int8, device=dev), 0
-        r, rs = qa.x.codes, qa.x.block_scales.view(torch.uint8)
+        r = rs = qa.values if a_operand else qa.x.codes  # unused
+    if a_operand:
+        a, a_s = qa.values, qa.values  # a_s unused
+    else:
+        a, a_s = qa.x.codes, qa.x.block_scales.view(torch.uint8)
     if use_asm is None:  # PTX decode on a GPU; the interpreter runs the integer-op twin
         use_asm = dev.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
     grid = (triton.cdiv(m, block_m) + e_count, triton.cdiv(n, block_n))
     _grouped_w4a4_kernel[grid](
-        qa.x.codes,
-        qa.x.block_scales.view(torch.uint8),
+        a,
+        a_s,
         r,
         rs,
-        qa.x.global_decode.reshape(-1).float(),
+        (qa.global_decode if a_operand else qa.x.global_decode).reshape(-1).float(),
         w_codes,
         w_scales,
         w_sdec,
@@ -489,6 +581,7 @@ def grouped_w4a4(
         HAS_RES=has_res,
         LOG2_E=max(1, (e_count - 1).bit_length()),
         USE_ASM=use_asm,
+        A_OPERAND=a_operand,
         BM=block_m,
         BN=block_n,
         BK=block_k,

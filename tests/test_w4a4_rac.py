@@ -166,6 +166,11 @@ def test_triton_grouped_gemm_matches_reference(rac_blocks, experts):
     else:  # the fold (A + R) rounds in fp16 where the terms span > 11 bits: match that exactly,
         assert torch.allclose(y, folded_reference(x, offs, ws, plan), rtol=1e-5, atol=1e-5 * tol)
         assert ((y - ref).norm() / ref.norm()).item() < 2e-4  # and stay within 2e-4 of augmented K
+    # the pre-decoded operand path does the same arithmetic: bit-identical output
+    y_op = kg.grouped_w4a4(
+        kg.activation_operand(x, plan), offs, wc, wsc, wsd, out_dtype=torch.float32, block_n=16, block_k=64
+    )
+    assert torch.equal(y_op, y)
     y_bf16 = kg.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, block_n=32, block_k=32)
     assert y_bf16.dtype == torch.bfloat16
     assert torch.allclose(y_bf16.float(), ref, rtol=1e-2, atol=1e-2 * tol)
@@ -203,3 +208,17 @@ def test_gemm_tile_decode_is_exact_for_every_code_and_scale():
         t = nvfp4.NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), torch.tensor(1.0))
         want = nvfp4.dequantize(t) / 128
         assert torch.equal(lo, want[:, 0::2]) and torch.equal(hi, want[:, 1::2])
+
+
+@pytest.mark.parametrize("blocks", [None, [0, 2, 5]])
+@pytest.mark.parametrize("block_k", [None, 32])
+def test_activation_operand_is_the_decoded_codes(blocks, block_k):
+    x = outlier_activations(9, 96)
+    plan = None if blocks is None else w4a4.RACPlan(torch.tensor(blocks), 96)
+    qa = w4a4.quantize_activation(x, plan)
+    op = kg.activation_operand(x, plan, block_k=block_k, block_m=None if block_k else 4)
+    want = (w4a4._exact_values(qa.x) / 128).half()
+    if plan is not None:
+        want = (want.float() + (w4a4._exact_values(qa.residual) / 128).half().float()).half()
+    assert torch.equal(op.values[:, 0], want[:, 0::2]) and torch.equal(op.values[:, 1], want[:, 1::2])
+    assert torch.equal(op.global_decode, qa.x.global_decode)
