@@ -371,6 +371,120 @@ def verify_conversion(src: str, out: str, opts: ConvertOptions | None = None) ->
     return count
 
 
+# ----------------------------------------------------------------------------- Megatron dist checkpoints
+
+
+_MCORE_DIST = re.compile(r"^(?P<pre>.*?)layers\.(?P<layer>\d+)\.mlp\.experts\.experts\.linear_(?P<fc>fc1|fc2)\.weight$")
+
+
+def convert_megatron_dist(
+    src: str,
+    dst: str,
+    base_hf: str,
+    opts: ConvertOptions | None = None,
+    hf_prefix: str = "model.layers",
+    layer_offset: int = 0,
+) -> dict[str, object]:
+    """Megatron-Core distributed checkpoint (torch_dist) -> NVFP4 ModelOpt layout at dst.
+
+    Routed experts come from src: Megatron stores each layer's experts as global [E, N, K] tensors
+    (``...mlp.experts.experts.linear_fc1.weight``), the same for any EP layout, so EP=1 and EP=N
+    checkpoints convert to identical bytes. They are read one layer at a time and converted with
+    megatron_expert_tensors (fc1 = gate|up with one shared amax). Everything else (non-expert
+    weights, config.json, tokenizer) is copied from base_hf, an HF checkpoint of the same model:
+    mapping Megatron attention/embedding names to HF is model-specific and not done here, so pass
+    an HF export of the same step if those weights were trained too. Atomic like convert_hf.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    opts = opts or ConvertOptions()
+    t0 = time.time()
+    if os.path.exists(dst) and not opts.overwrite:
+        raise ConvertError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
+    try:
+        reader = FileSystemReader(src)
+        meta = reader.read_metadata().state_dict_metadata
+    except Exception as e:
+        raise ConvertError(f"{src}: not a readable torch_dist (Megatron dist_checkpointing) checkpoint ({e})") from e
+    experts = {k: m for k, m in meta.items() if _MCORE_DIST.match(k) and isinstance(m, TensorStorageMetadata)}
+    if not experts:
+        sample = sorted(k for k in meta if ".experts." in k)[:3]
+        raise ConvertError(
+            f"{src}: no global expert tensors '...mlp.experts.experts.linear_fc1.weight' [E, N, K] found "
+            f"(unknown layout; expert keys seen: {sample or 'none'})"
+        )
+    for k, m in experts.items():
+        if len(m.size) != 3:
+            raise ConvertError(f"{src}: {k} has shape {tuple(m.size)}, expected [E, N, K]")
+    base_shards = _shards(base_hf)
+    base_names = {n: shard for shard, keys in base_shards.items() for n in keys}
+    handles: dict[str, object] = {}
+
+    def base_shape(name: str) -> list[int]:
+        shard = base_names[name]
+        if shard not in handles:
+            handles[shard] = safe_open(os.path.join(base_hf, shard), "pt")
+        return list(handles[shard].get_slice(name).get_shape())  # type: ignore[attr-defined]
+
+    partial = dst.rstrip("/") + ".partial"
+    if os.path.exists(partial):
+        shutil.rmtree(partial)
+    os.makedirs(partial)
+    weight_map: dict[str, str] = {}
+    produced: set[str] = set()
+    layers = sorted({(_MCORE_DIST.match(k)["pre"], int(_MCORE_DIST.match(k)["layer"])) for k in experts})
+    progress = _Progress(len(layers) + len(base_shards), opts.progress)
+    for pre, layer in layers:
+        named = []
+        for fc in ("fc1", "fc2"):
+            key = f"{pre}layers.{layer}.mlp.experts.experts.linear_{fc}.weight"
+            if key not in experts:
+                raise ConvertError(f"{src}: {key} is missing (half-written checkpoint?)")
+            m = experts[key]
+            t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            dcp_load({key: t}, storage_reader=reader, no_dist=True)
+            named += [
+                (f"{pre}layers.{layer}.mlp.experts.local_experts.{e}.linear_{fc}.weight", t[e]) for e in range(len(t))
+            ]
+        out = dict(megatron_expert_tensors(named, 0, len(named) // 2, hf_prefix, layer_offset, opts.input_amax))
+        for name, t in out.items():
+            if not name.endswith(".weight"):
+                continue
+            if name not in base_names:
+                raise ConvertError(f"{name}: converted from {src} but absent from {base_hf} (different model?)")
+            shape = base_shape(name)
+            if shape != [t.shape[0], t.shape[1] * 2]:
+                raise ConvertError(f"{name}: {src} gives [N, K]={[t.shape[0], t.shape[1] * 2]}, {base_hf} has {shape}")
+        shard = f"model-experts-{layer:05d}.safetensors"
+        save_file(out, os.path.join(partial, shard), metadata={"format": "pt"})
+        weight_map.update({k: shard for k in out})
+        produced.update(k[: -len(".weight")] for k in out if k.endswith(".weight"))
+        progress.step(shard)
+    names = list(base_names)
+    targets = {
+        n: (n[: -len(".weight")], "") for n in names if n.endswith(".weight") and n[: -len(".weight")] in produced
+    }
+    for shard, keys in base_shards.items():
+        rest = [k for k in keys if k not in targets]
+        if rest:
+            with safe_open(os.path.join(base_hf, shard), "pt") as f:
+                kept = {k: f.get_tensor(k) for k in rest}
+            out_shard = f"model-base-{shard}"
+            save_file(kept, os.path.join(partial, out_shard), metadata={"format": "pt"})
+            weight_map.update({k: out_shard for k in kept})
+        progress.step(shard)
+    with open(os.path.join(partial, INDEX), "w") as f:
+        json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
+    _write_quant_configs(base_hf, partial, sorted(_excluded_linears(names, targets)))
+    _copy_side_files(base_hf, partial)
+    if os.path.exists(dst):
+        shutil.rmtree(dst)
+    os.rename(partial, dst)
+    return {"quantized_modules": len(produced), "layers": len(layers), "seconds": time.time() - t0}
+
+
 # ----------------------------------------------------------------------------- live sync
 
 
@@ -412,7 +526,8 @@ def megatron_expert_tensors(
             raise ConvertError(f"{name}: fc1 has an odd row count {q.codes.shape[0]}; expected gate|up halves")
         half = q.codes.shape[0] // 2
         for proj, rows in (("gate_proj", slice(0, half)), ("up_proj", slice(half, None))):
-            part = nvfp4.NVFP4Tensor(q.codes[rows], q.block_scales[rows], q.global_decode)
+            # own storage per tensor: receivers (and safetensors) must not see gate/up aliasing
+            part = nvfp4.NVFP4Tensor(q.codes[rows].clone(), q.block_scales[rows].clone(), q.global_decode.clone())
             yield from modelopt_tensors(f"{base}.{proj}", part, input_amax.get(f"{base}.{proj}")).items()
 
 

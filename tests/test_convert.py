@@ -205,6 +205,8 @@ def test_live_sync_from_ep_ranks_equals_offline_converter(tmp_path, grouped):
             params = megatron_named_params(sd, ep_size, rank, grouped)
             for bucket in convert.bucketed(convert.megatron_expert_tensors(params, rank, E // ep_size), 4096):
                 assert sum(t.numel() * t.element_size() for _, t in bucket) <= 4096 or len(bucket) == 1
+                storages = {t.untyped_storage().data_ptr() for _, t in bucket}
+                assert len(storages) == len(bucket)  # no aliasing between yielded tensors
                 live.update(bucket)
         assert live.keys() == offline.keys()
         for k in live:
