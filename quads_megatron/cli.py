@@ -10,7 +10,13 @@ import sys
 def _convert(args: argparse.Namespace) -> int:
     from safetensors.torch import load_file
 
-    from quads_megatron.convert import ConvertError, ConvertOptions, convert_hf, verify_conversion
+    from quads_megatron.convert import (
+        ConvertError,
+        ConvertOptions,
+        convert_hf,
+        convert_megatron_dist,
+        verify_conversion,
+    )
 
     input_amax: dict[str, float] = {}
     if args.input_amax:
@@ -31,6 +37,12 @@ def _convert(args: argparse.Namespace) -> int:
         if args.verify_only:
             n = verify_conversion(args.src, args.dst, opts)
             print(f"verified {n} tensors of {args.dst} against {args.src}")
+            return 0
+        if args.megatron_base_hf:
+            summary = convert_megatron_dist(args.src, args.dst, args.megatron_base_hf, opts)
+            print(
+                f"converted {summary['quantized_modules']} expert linears of {summary['layers']} layers -> {args.dst}"
+            )
             return 0
         summary = convert_hf(args.src, args.dst, opts)
     except ConvertError as e:
@@ -64,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--verify", action="store_true", help="re-read the output and check it bit for bit")
     c.add_argument("--verify-only", action="store_true", help="only check an existing conversion")
     c.add_argument("--quiet", action="store_true")
+    c.add_argument(
+        "--megatron-base-hf",
+        metavar="HF_DIR",
+        help="SRC is a Megatron-Core dist checkpoint; experts come from it, everything else from HF_DIR",
+    )
     c.set_defaults(func=_convert)
     try:
         from quads_megatron.demo import add_arguments
