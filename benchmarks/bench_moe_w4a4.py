@@ -125,42 +125,10 @@ def checks(log) -> dict:
     res["gemm_ok"] = (
         res["gemm_max_rel_err_over_configs_w4a4"] < 1e-5 and res["gemm_max_rel_err_over_configs_rac25"] < 2e-4
     )
-    res["ptx_decode_exact_all_codes_scales"] = ptx_decode_exhaustive()
+    res["ptx_decode_exact_all_codes_scales"] = kg.check_tile_decode("cuda", use_asm=True)
     for k, v in res.items():
         log(f"check {k}: {v}")
     return res
-
-
-def ptx_decode_exhaustive() -> bool:
-    """The PTX tile decode equals value * s_b * 2^-7 for all 256 code bytes x 127 E4M3 scales."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def probe(c_ptr, s_ptr, lo_ptr, hi_ptr, BR: tl.constexpr, BK: tl.constexpr):
-        rows = tl.arange(0, BR).to(tl.int64)
-        lo, hi = kg._load_decoded(c_ptr, s_ptr, rows, rows < BR, 0, BK, BR, BK, True)
-        offs = rows[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :]
-        tl.store(lo_ptr + offs, lo.to(tl.float32))
-        tl.store(hi_ptr + offs, hi.to(tl.float32))
-
-    scales = torch.arange(128, dtype=torch.uint8, device="cuda").clamp(max=126).reshape(128, 1).repeat(1, 16)
-    ok = True
-    for half in (0, 1):
-        codes = (
-            torch.arange(128 * half, 128 * half + 128, dtype=torch.uint8, device="cuda").reshape(1, 128).repeat(128, 1)
-        )
-        lo = torch.empty(128, 128, device="cuda")
-        hi = torch.empty(128, 128, device="cuda")
-        probe[(1,)](codes.contiguous(), scales.contiguous(), lo, hi, BR=128, BK=256)
-        want = (
-            nvfp4.dequantize(
-                nvfp4.NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), torch.tensor(1.0, device="cuda"))
-            )
-            / 128
-        )
-        ok &= torch.equal(lo, want[:, 0::2]) and torch.equal(hi, want[:, 1::2])
-    return bool(ok)
 
 
 def accuracy_table(log) -> list[dict]:

@@ -329,6 +329,32 @@ def activation_operand(
 # ----------------------------------------------------------------------------- grouped GEMM
 
 
+def _nibble_ptx(mag_shift: int, sign_shift: int) -> str:
+    """PTX: 4 packed code bytes ($2) -> 4 fp16 (two half2 in $0, $1) of one nibble per byte.
+
+    prmt spreads bytes 0,1 (then 2,3) into the two 16-bit lanes of a register; one shift places the
+    3 magnitude bits at fp16 bits 9-11 and another the sign at bit 15, for both lanes at once.
+    """
+
+    def one(t: str, o: str) -> str:
+        return (
+            f"shl.b32 a, {t}, {mag_shift}; and.b32 a, a, 0x0E000E00; "
+            f"shl.b32 b, {t}, {sign_shift}; lop3.b32 {o}, b, 0x80008000, a, 0xEA;"
+        )
+
+    return (
+        "{ .reg .b32 t0, t1, a, b, z; mov.b32 z, 0; prmt.b32 t0, $2, z, 0x4140; prmt.b32 t1, $2, z, 0x4342; "
+        + one("t0", "$0")
+        + " "
+        + one("t1", "$1")
+        + " }"
+    )
+
+
+_PTX_LO = tl.constexpr(_nibble_ptx(9, 12))  # low nibble: bits 0-2 -> 9-11, bit 3 -> 15
+_PTX_HI = tl.constexpr(_nibble_ptx(5, 8))  # high nibble: bits 4-6 -> 9-11, bit 7 -> 15
+
+
 @triton.jit
 def _fp4_bits_to_fp16(c, HI: tl.constexpr, USE_ASM: tl.constexpr):
     """Packed code bytes (uint8) -> fp16 value * 2^-14 of the low (HI=False) or high nibble.
@@ -338,48 +364,8 @@ def _fp4_bits_to_fp16(c, HI: tl.constexpr, USE_ASM: tl.constexpr):
     place the bits of two lanes at once); otherwise plain integer ops (also the interpreter's path).
     """
     if USE_ASM:
-        if HI:
-            return tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 t0, t1, a, b, z;
-                mov.b32 z, 0;
-                prmt.b32 t0, $2, z, 0x4140;
-                prmt.b32 t1, $2, z, 0x4342;
-                shl.b32 a, t0, 5;
-                and.b32 a, a, 0x0E000E00;
-                shl.b32 b, t0, 8;
-                lop3.b32 $0, b, 0x80008000, a, 0xEA;
-                shl.b32 a, t1, 5;
-                and.b32 a, a, 0x0E000E00;
-                shl.b32 b, t1, 8;
-                lop3.b32 $1, b, 0x80008000, a, 0xEA;
-                }""",
-                constraints="=r,=r,r",
-                args=[c],
-                dtype=tl.float16,
-                is_pure=True,
-                pack=4,
-            )
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t0, t1, a, b, z;
-            mov.b32 z, 0;
-            prmt.b32 t0, $2, z, 0x4140;
-            prmt.b32 t1, $2, z, 0x4342;
-            shl.b32 a, t0, 9;
-            and.b32 a, a, 0x0E000E00;
-            shl.b32 b, t0, 12;
-            lop3.b32 $0, b, 0x80008000, a, 0xEA;
-            shl.b32 a, t1, 9;
-            and.b32 a, a, 0x0E000E00;
-            shl.b32 b, t1, 12;
-            lop3.b32 $1, b, 0x80008000, a, 0xEA;
-            }""",
-            constraints="=r,=r,r",
-            args=[c],
-            dtype=tl.float16,
-            is_pure=True,
-            pack=4,
+            asm=_PTX_HI if HI else _PTX_LO, constraints="=r,=r,r", args=[c], dtype=tl.float16, is_pure=True, pack=4
         )
     ci = c.to(tl.int32)
     if HI:
@@ -589,3 +575,29 @@ def grouped_w4a4(
         num_stages=num_stages,
     )
     return y
+
+
+@triton.jit
+def _decode_probe(c_ptr, s_ptr, lo_ptr, hi_ptr, BR: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
+    rows = tl.arange(0, BR).to(tl.int64)
+    lo, hi = _load_decoded(c_ptr, s_ptr, rows, rows < BR, 0, BK, BR, BK, USE_ASM)
+    offs = rows[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :]
+    tl.store(lo_ptr + offs, lo.to(tl.float32))
+    tl.store(hi_ptr + offs, hi.to(tl.float32))
+
+
+def check_tile_decode(device: str | torch.device = "cpu", use_asm: bool = False) -> bool:
+    """Self-check of the GEMM's in-register decode: value * s_b * 2^-7 for all 256 code bytes
+    x 127 finite E4M3 scales, bit for bit (use_asm needs a CUDA device)."""
+    scales = torch.arange(128, dtype=torch.uint8, device=device).clamp(max=126).reshape(128, 1).repeat(1, 16)
+    ok = True
+    for half in (0, 1):
+        codes = torch.arange(128 * half, 128 * half + 128, dtype=torch.uint8, device=device).reshape(1, 128)
+        codes = codes.repeat(128, 1).contiguous()
+        lo = torch.empty(128, 128, device=device)
+        hi = torch.empty(128, 128, device=device)
+        _decode_probe[(1,)](codes, scales.contiguous(), lo, hi, BR=128, BK=256, USE_ASM=use_asm)
+        one = torch.tensor(1.0, device=device)
+        want = nvfp4.dequantize(NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), one)) / 128
+        ok &= torch.equal(lo, want[:, 0::2]) and torch.equal(hi, want[:, 1::2])
+    return bool(ok)

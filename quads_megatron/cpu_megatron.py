@@ -61,11 +61,18 @@ def install_cpu_shims_for_megatron() -> None:
 
 
 def init_distributed(rank: int = 0, world_size: int = 1, port: int | None = None, ep: int = 1) -> None:
+    """gloo process group (if none yet) + megatron parallel state with expert parallel size ep.
+
+    port: the rendezvous port every rank of this group uses (required when world_size > 1; a
+    spawned worker must not inherit its parent's MASTER_PORT). Alone, a free port is picked.
+    """
     from megatron.core import parallel_state
 
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port or _free_port()))
+        if port is None and world_size > 1:
+            raise ValueError("init_distributed: pass the shared rendezvous port when world_size > 1")
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port if port is not None else _free_port())
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

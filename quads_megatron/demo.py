@@ -126,7 +126,8 @@ class RolloutEngine:
     def __init__(self, model: TinyMoEGPT, mode: str, rac_ratio_cfg=None) -> None:
         self.model, self.mode, self.rac_cfg = model, mode, rac_ratio_cfg
         self.weights: dict[tuple[int, int], tuple[nvfp4.NVFP4Tensor, nvfp4.NVFP4Tensor]] = {}
-        self.plans: dict[tuple[int, str], w4a4.RACPlan] = {}
+        self.plans: dict[tuple[int, str], w4a4.RACPlan] = {}  # (layer, 'fc1'|'fc2') -> static RAC plan
+        self._calibrator: w4a4.RACCalibrator | None = None  # set while calibrate() runs a batch
 
     def sync_weights(self) -> None:
         """Live sync: Megatron expert params -> ModelOpt NVFP4 tensors -> per-expert fc1/fc2."""
@@ -159,10 +160,8 @@ class RolloutEngine:
         with torch.no_grad():
             self.forward(tokens)
         self._calibrator = None
-        self.plans = {tuple(k.split("/")): plan for k, plan in cal.plans(self.rac_cfg.num_channels).items()}
-        self.plans = {(int(a), b): p for (a, b), p in self.plans.items()}
-
-    _calibrator: w4a4.RACCalibrator | None = None
+        plans = cal.plans(self.rac_cfg.num_channels)  # keyed "layer/linear", see _linear
+        self.plans = {(int(k.split("/")[0]), k.split("/")[1]): p for k, p in plans.items()}
 
     def _linear(self, x: torch.Tensor, w: nvfp4.NVFP4Tensor, li: int, which: str) -> torch.Tensor:
         if self._calibrator is not None:

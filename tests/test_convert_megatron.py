@@ -15,7 +15,6 @@ from quads_megatron.convert import ConvertError, ConvertOptions
 
 
 def _save_worker(rank: int, world: int, port: int, ckpt: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     from megatron.core import dist_checkpointing
 
     from quads_megatron.cpu_megatron import (
@@ -26,8 +25,7 @@ def _save_worker(rank: int, world: int, port: int, ckpt: str) -> None:
     )
 
     install_cpu_shims_for_megatron()
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    init_distributed(rank, world, ep=world)
+    init_distributed(rank, world, port=port, ep=world)
     sd = hf_moe_state()
     local = E // world
     sharded = {}

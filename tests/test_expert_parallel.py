@@ -21,7 +21,6 @@ def _port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, workdir: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     import quads_megatron
     from quads_megatron import convert
     from quads_megatron.cpu_megatron import (
@@ -32,8 +31,7 @@ def _worker(rank: int, world: int, port: int, workdir: str) -> None:
     )
 
     install_cpu_shims_for_megatron()
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    init_distributed(rank, world, ep=world)
+    init_distributed(rank, world, port=port, ep=world)
     quads_megatron.apply()
     layer = build_moe_layer(moe_config(num_experts=E, hidden=H, ffn=F), seed=0)
     full = torch.load(os.path.join(workdir, "state.pt"))
