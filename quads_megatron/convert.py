@@ -148,6 +148,15 @@ def _source_fingerprint(src: str, shards: dict[str, list[str]]) -> str:
     return h.hexdigest()[:16]
 
 
+def _dir_fingerprint(path: str) -> str:
+    """Names, sizes and mtimes of the files in a checkpoint directory."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        st = os.stat(os.path.join(path, name))
+        h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
 class _Progress:
     def __init__(self, total: int, enabled: bool) -> None:
         self.total, self.done, self.enabled, self.t0 = total, 0, enabled, time.time()
@@ -428,15 +437,9 @@ def convert_megatron_dist(
             handles[shard] = safe_open(os.path.join(base_hf, shard), "pt")
         return list(handles[shard].get_slice(name).get_shape())  # type: ignore[attr-defined]
 
-    partial = dst.rstrip("/") + ".partial"
-    if os.path.exists(partial):
-        shutil.rmtree(partial)
-    os.makedirs(partial)
-    weight_map: dict[str, str] = {}
-    produced: set[str] = set()
     layers = sorted({(_MCORE_DIST.match(k)["pre"], int(_MCORE_DIST.match(k)["layer"])) for k in experts})
-    progress = _Progress(len(layers) + len(base_shards), opts.progress)
-    for pre, layer in layers:
+
+    def convert_layer(pre: str, layer: int) -> dict[str, torch.Tensor]:
         named = []
         for fc in ("fc1", "fc2"):
             key = f"{pre}layers.{layer}.mlp.experts.experts.linear_{fc}.weight"
@@ -457,28 +460,64 @@ def convert_megatron_dist(
             shape = base_shape(name)
             if shape != [t.shape[0], t.shape[1] * 2]:
                 raise ConvertError(f"{name}: {src} gives [N, K]={[t.shape[0], t.shape[1] * 2]}, {base_hf} has {shape}")
+        return out
+
+    partial = dst.rstrip("/") + ".partial"
+    fingerprint = {
+        "source": _dir_fingerprint(src),
+        "base": _source_fingerprint(base_hf, base_shards),
+        "options": opts.fingerprint(),
+        "layout": [hf_prefix, layer_offset],
+        "version": __version__,
+    }
+    state = _load_state(partial, fingerprint)
+    done = state.setdefault("done", {})
+    weight_map: dict[str, str] = {}
+    progress = _Progress(len(layers) + len(base_shards), opts.progress)
+    for pre, layer in layers:
         shard = f"model-experts-{layer:05d}.safetensors"
-        save_file(out, os.path.join(partial, shard), metadata={"format": "pt"})
-        weight_map.update({k: shard for k in out})
-        produced.update(k[: -len(".weight")] for k in out if k.endswith(".weight"))
+        if shard not in done:
+            out = convert_layer(pre, layer)
+            save_file(out, os.path.join(partial, shard), metadata={"format": "pt"})
+            done[shard] = sorted(out)
+            _save_state(partial, state)
+        weight_map.update({k: shard for k in done[shard]})
         progress.step(shard)
+    produced = {k[: -len(".weight")] for k in weight_map if k.endswith(".weight")}
     names = list(base_names)
     targets = {
         n: (n[: -len(".weight")], "") for n in names if n.endswith(".weight") and n[: -len(".weight")] in produced
     }
     for shard, keys in base_shards.items():
+        out_shard = f"model-base-{shard}"
         rest = [k for k in keys if k not in targets]
-        if rest:
+        if rest and out_shard not in done:
             with safe_open(os.path.join(base_hf, shard), "pt") as f:
                 kept = {k: f.get_tensor(k) for k in rest}
-            out_shard = f"model-base-{shard}"
             save_file(kept, os.path.join(partial, out_shard), metadata={"format": "pt"})
-            weight_map.update({k: out_shard for k in kept})
+            done[out_shard] = sorted(kept)
+            _save_state(partial, state)
+        weight_map.update({k: out_shard for k in done.get(out_shard, [])})
         progress.step(shard)
     with open(os.path.join(partial, INDEX), "w") as f:
         json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
     _write_quant_configs(base_hf, partial, sorted(_excluded_linears(names, targets)))
     _copy_side_files(base_hf, partial)
+    if opts.verify:  # re-read what was written: experts against a fresh conversion, the rest against base
+        for pre, layer in layers:
+            shard = f"model-experts-{layer:05d}.safetensors"
+            with safe_open(os.path.join(partial, shard), "pt") as f:
+                for name, want in convert_layer(pre, layer).items():
+                    if not torch.equal(f.get_tensor(name).view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)):
+                        raise ConvertError(f"verify: {name} in {shard} differs from a fresh conversion of {src}")
+        for shard, keys in base_shards.items():
+            with safe_open(os.path.join(base_hf, shard), "pt") as f:
+                for k in keys:
+                    if k not in targets:
+                        with safe_open(os.path.join(partial, weight_map[k]), "pt") as g:
+                            if not torch.equal(g.get_tensor(k), f.get_tensor(k)):
+                                raise ConvertError(f"verify: {k} differs from {base_hf}")
+    os.remove(os.path.join(partial, STATE))
     if os.path.exists(dst):
         shutil.rmtree(dst)
     os.rename(partial, dst)

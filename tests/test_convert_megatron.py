@@ -45,7 +45,28 @@ def _save_worker(rank: int, world: int, port: int, ckpt: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def test_ep1_and_ep2_dist_checkpoints_convert_to_identical_bytes(tmp_path):
+def interrupt_second_shard_write(ckpt: str, dst: str, base: str, monkeypatch) -> list[str]:
+    """Run a conversion that is killed while writing its second shard; afterwards record every
+    shard written (the caller's next conversion resumes)."""
+    real_save, calls = convert.save_file, []
+
+    def failing_save(tensors, path, metadata=None):
+        calls.append(os.path.basename(path))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(convert, "save_file", failing_save)
+    with pytest.raises(KeyboardInterrupt):
+        convert.convert_megatron_dist(ckpt, dst, base, ConvertOptions(progress=False))
+    assert not os.path.exists(dst)
+    monkeypatch.setattr(
+        convert, "save_file", lambda *a, **k: (calls.append(os.path.basename(a[1])), real_save(*a, **k))
+    )
+    return calls
+
+
+def test_ep1_and_ep2_dist_checkpoints_convert_to_identical_bytes(tmp_path, monkeypatch):
     pytest.importorskip("psutil")  # megatron's dist_checkpointing writer needs it
     base = write_hf(tmp_path / "hf", {k: v.float().bfloat16() for k, v in hf_moe_state().items()})
     outs = {}
@@ -54,7 +75,10 @@ def test_ep1_and_ep2_dist_checkpoints_convert_to_identical_bytes(tmp_path):
         os.makedirs(ckpt)
         mp.spawn(_save_worker, args=(world, _port(), ckpt), nprocs=world, join=True)
         dst = str(tmp_path / f"nvfp4_ep{world}")
-        summary = convert.convert_megatron_dist(ckpt, dst, str(base), ConvertOptions(progress=False))
+        calls = interrupt_second_shard_write(ckpt, dst, str(base), monkeypatch) if world == 2 else None
+        summary = convert.convert_megatron_dist(ckpt, dst, str(base), ConvertOptions(progress=False, verify=True))
+        if calls is not None:  # resumed: the unfinished shard was redone, the finished one was not
+            assert calls[2] == calls[1] and calls.count(calls[0]) == 1
         assert summary["quantized_modules"] == L * E * 3
         outs[world] = read_all(dst)
     # HF path on the same weights (megatron stored fp32 params; bf16 values are exact in fp32)
