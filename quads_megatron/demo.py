@@ -24,6 +24,7 @@ import csv
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -339,6 +340,9 @@ def main(ns: argparse.Namespace | None = None) -> int:
         add_arguments(p)
         ns = p.parse_args()
     a = DemoArgs(**{k: getattr(ns, k) for k in vars(DemoArgs())})
+    # megatron-core warns at import that TE/Apex are absent: expected on a CPU machine
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
+    warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
     from quads_megatron.cpu_megatron import init_distributed, install_cpu_shims_for_megatron
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -354,8 +358,14 @@ def main(ns: argparse.Namespace | None = None) -> int:
     total = a.steps * len(ARMS)
     done = [0]
 
+    tty = sys.stderr.isatty()
+
     def progress(arm: str, step: int) -> None:
         done[0] += 1
+        if not tty:  # a log file gets one line per arm, not a redrawn bar
+            if step + 1 == a.steps:
+                log(f"{arm}: {a.steps} RL steps done")
+            return
         width = 30
         fill = int(width * done[0] / total)
         sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {arm:5s} step {step + 1}/{a.steps}")
