@@ -7,9 +7,9 @@ any torch optimizer steps (global post-step hook, installed by apply()), or on
 mark_weights_updated().
 
 Megatron's gradient-accumulation fusion keeps working: the returned tensor carries the
-parameter's ``main_grad`` so the fused wgrad GEMM accumulates into the master buffer, and the
-``grad_added_to_main_grad`` flag that Megatron/TE set on the tensor is forwarded to the
-parameter so the DDP hook does not add the dummy gradient a second time.
+parameter's ``main_grad`` so the fused wgrad GEMM accumulates into the master buffer; when the
+caller says the layer fuses wgrad (fused_wgrad=True), the backward marks the parameter
+``grad_added_to_main_grad`` so the DDP hook does not add the layer's dummy gradient a second time.
 """
 
 from __future__ import annotations
@@ -72,6 +72,15 @@ def _reduce_amax(a: torch.Tensor, group: Any) -> torch.Tensor:
     return a
 
 
+def _qdq(x: torch.Tensor, scale_mode: str, global_amax: torch.Tensor) -> torch.Tensor:
+    """Contract QDQ in x.dtype; on CUDA through its Triton twin (bit-identical, checked on the H200)."""
+    if x.is_cuda:
+        from quads_megatron.kernels import nvfp4_quant
+
+        return nvfp4.dequantize(nvfp4_quant.quantize(x, scale_mode, global_amax, check=False), x.dtype)  # type: ignore[arg-type]
+    return nvfp4.qdq(x, scale_mode, global_amax, check=False)  # type: ignore[arg-type]
+
+
 def qdq_weight(w: torch.Tensor, spec: FakeQuantSpec) -> torch.Tensor:
     """qdq(w) in w.dtype, no autograd; [E, N, K] weights with experts_dim0 get one scale per expert."""
     x = w.detach()
@@ -82,13 +91,8 @@ def qdq_weight(w: torch.Tensor, spec: FakeQuantSpec) -> torch.Tensor:
         if spec.scale_mode == "tensor":
             a = x.abs().amax(dim=(1, 2)).float()
             a = _reduce_amax(a, spec.amax_group)
-            return torch.stack([nvfp4.qdq(x[e], "tensor", a[e], check=False) for e in range(x.shape[0])])
-    a = _reduce_amax(nvfp4.amax(x, spec.scale_mode), spec.amax_group)  # type: ignore[arg-type]
-    if x.is_cuda:  # the Triton twin of the contract (bit-identical, checked on the H200)
-        from quads_megatron.kernels import nvfp4_quant
-
-        return nvfp4.dequantize(nvfp4_quant.quantize(x, spec.scale_mode, a, check=False), x.dtype)  # type: ignore[arg-type]
-    return nvfp4.qdq(x, spec.scale_mode, a, check=False)  # type: ignore[arg-type]
+            return torch.stack([_qdq(x[e], "tensor", a[e]) for e in range(x.shape[0])])
+    return _qdq(x, spec.scale_mode, _reduce_amax(nvfp4.amax(x, spec.scale_mode), spec.amax_group))  # type: ignore[arg-type]
 
 
 class _StraightThrough(torch.autograd.Function):
