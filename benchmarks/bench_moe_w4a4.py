@@ -63,14 +63,6 @@ def routing(tokens: int, gen: torch.Generator) -> torch.Tensor:
     return torch.cumsum(counts, 0).to(torch.int32)
 
 
-def same_bits(a, b) -> bool:
-    return (
-        torch.equal(a.codes, b.codes)
-        and torch.equal(a.block_scales.view(torch.uint8), b.block_scales.view(torch.uint8))
-        and torch.equal(a.global_decode.reshape(-1), b.global_decode.reshape(-1))
-    )
-
-
 def checks(log) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     res = {}
@@ -80,7 +72,7 @@ def checks(log) -> dict:
             torch.randn(shape, generator=g, device="cuda")
             * torch.exp(torch.randn(shape, generator=g, device="cuda") * 2)
         ).bfloat16()
-        ok &= same_bits(nvfp4.quantize(x, mode), nvfp4_quant.quantize(x, mode))
+        ok &= nvfp4.quantize(x, mode).same_bits(nvfp4_quant.quantize(x, mode))
     res["triton_quantize_bit_identical_gpu"] = bool(ok)
     x = (
         torch.randn(512, HIDDEN, generator=g, device="cuda")
@@ -91,7 +83,7 @@ def checks(log) -> dict:
     for p in (None, plan):
         for amax in (None, torch.tensor(20.0, device="cuda")):
             a, b = w4a4.quantize_activation(x, p, amax), kg.quantize_activation(x, p, amax)
-            ok &= same_bits(a.x, b.x) and (p is None or same_bits(a.residual, b.residual))
+            ok &= a.x.same_bits(b.x) and (p is None or a.residual.same_bits(b.residual))
     res["triton_act_rac_quant_bit_identical_gpu"] = bool(ok)
     ws = [nvfp4.quantize(torch.randn(2 * INTER, HIDDEN, generator=g, device="cuda") * 0.02) for _ in range(E)]
     wc, wsc, wsd = kg.stack_expert_weights(ws)

@@ -368,11 +368,7 @@ def verify_conversion(src: str, out: str, opts: ConvertOptions | None = None) ->
                     got = nvfp4.from_modelopt(
                         get(f"{mod}.weight"), get(f"{mod}.weight_scale"), get(f"{mod}.weight_scale_2")
                     )
-                    if not (
-                        torch.equal(got.codes, want.codes)
-                        and torch.equal(got.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8))
-                        and torch.equal(got.global_decode, want.global_decode)
-                    ):
+                    if not got.same_bits(want):
                         raise ConvertError(f"verify: {mod} differs from the contract quantization of {name}")
                 elif not torch.equal(get(name), t):
                     raise ConvertError(f"verify: {name} differs from the source")

@@ -70,6 +70,14 @@ class NVFP4Tensor:
     def to_modelopt(self) -> dict[str, torch.Tensor]:
         return to_modelopt(self)
 
+    def same_bits(self, other: NVFP4Tensor) -> bool:
+        """Identical codes, block-scale bytes and global decode scales (shapes included)."""
+        return (
+            torch.equal(self.codes, other.codes)
+            and torch.equal(self.block_scales.view(torch.uint8), other.block_scales.view(torch.uint8))
+            and torch.equal(self.global_decode, other.global_decode)
+        )
+
 
 # ----------------------------------------------------------------------------- validation
 

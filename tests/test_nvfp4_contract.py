@@ -238,3 +238,16 @@ def test_other_bad_inputs():
         nvfp4.from_modelopt(
             torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.float8_e4m3fn), torch.tensor(1.0)
         )
+
+
+def test_same_bits_compares_every_field():
+    t = nvfp4.quantize(torch.randn(4, 32))
+    assert t.same_bits(nvfp4.NVFP4Tensor(t.codes.clone(), t.block_scales.clone(), t.global_decode.clone()))
+    codes = t.codes.clone()
+    codes[0, 0] ^= 1
+    assert not t.same_bits(nvfp4.NVFP4Tensor(codes, t.block_scales, t.global_decode))
+    scales = t.block_scales.view(torch.uint8).clone()
+    scales[1, 1] ^= 1
+    assert not t.same_bits(nvfp4.NVFP4Tensor(t.codes, scales.view(torch.float8_e4m3fn), t.global_decode))
+    assert not t.same_bits(nvfp4.NVFP4Tensor(t.codes, t.block_scales, t.global_decode * 2))
+    assert not t.same_bits(nvfp4.NVFP4Tensor(t.codes, t.block_scales, t.global_decode.reshape(1)))  # shape counts

@@ -9,12 +9,6 @@ from quads_megatron.kernels import nvfp4_quant
 from quads_megatron import nvfp4
 
 
-def assert_same_bits(a: nvfp4.NVFP4Tensor, b: nvfp4.NVFP4Tensor) -> None:
-    assert torch.equal(a.codes, b.codes)
-    assert torch.equal(a.block_scales.view(torch.uint8), b.block_scales.view(torch.uint8))
-    assert torch.equal(a.global_decode, b.global_decode)
-
-
 @pytest.mark.parametrize(
     "shape,mode,dtype",
     [
@@ -28,7 +22,7 @@ def assert_same_bits(a: nvfp4.NVFP4Tensor, b: nvfp4.NVFP4Tensor) -> None:
 )
 def test_bit_identical_random(shape, mode, dtype):
     x = (torch.randn(shape) * torch.exp(torch.randn(shape) * 2.5)).to(dtype)
-    assert_same_bits(nvfp4.quantize(x, mode), nvfp4_quant.quantize(x, mode))
+    assert nvfp4.quantize(x, mode).same_bits(nvfp4_quant.quantize(x, mode))
 
 
 def test_bit_identical_edge_blocks():
@@ -40,9 +34,9 @@ def test_bit_identical_edge_blocks():
     x[4, ::2] = -0.0
     x[5, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2) * 0.001  # ties after scaling
     for mode in ("tensor", "row"):
-        assert_same_bits(nvfp4.quantize(x, mode), nvfp4_quant.quantize(x, mode))
+        assert nvfp4.quantize(x, mode).same_bits(nvfp4_quant.quantize(x, mode))
     amax = torch.tensor(3.0)  # external (shared) amax with saturation
-    assert_same_bits(nvfp4.quantize(x, global_amax=amax), nvfp4_quant.quantize(x, global_amax=amax))
+    assert nvfp4.quantize(x, global_amax=amax).same_bits(nvfp4_quant.quantize(x, global_amax=amax))
 
 
 @triton.jit

@@ -14,21 +14,13 @@ def outlier_activations(m, k, dtype=torch.bfloat16):
     return (torch.randn(m, k) * torch.exp(torch.randn(k) * 1.2)).to(dtype)
 
 
-def same_bits(a: nvfp4.NVFP4Tensor, b: nvfp4.NVFP4Tensor) -> bool:
-    return (
-        torch.equal(a.codes, b.codes)
-        and torch.equal(a.block_scales.view(torch.uint8), b.block_scales.view(torch.uint8))
-        and torch.equal(a.global_decode, b.global_decode)
-    )
-
-
 def test_plain_w4a4_is_per_token_contract_quantization():
     x = outlier_activations(8, 64)
     qa = w4a4.quantize_activation(x)
     assert qa.residual is None
-    assert same_bits(qa.x, nvfp4.quantize(x, "row"))
+    assert qa.x.same_bits(nvfp4.quantize(x, "row"))
     static = w4a4.quantize_activation(x, static_amax=torch.tensor(50.0))
-    assert same_bits(static.x, nvfp4.quantize(x, "row", torch.full((8, 1), 50.0)))
+    assert static.x.same_bits(nvfp4.quantize(x, "row", torch.full((8, 1), 50.0)))
     assert torch.all(static.x.global_decode == nvfp4.input_scale_from_amax(torch.tensor(50.0)))
 
 
@@ -41,7 +33,7 @@ def test_residual_is_quantized_on_selected_blocks_with_the_token_scale():
     r_sel = torch.zeros_like(r)
     for b in (1, 4):
         r_sel[:, 16 * b : 16 * b + 16] = r[:, 16 * b : 16 * b + 16]
-    assert same_bits(qa.residual, nvfp4.quantize(r_sel, "row", nvfp4.amax(x, "row")))
+    assert qa.residual.same_bits(nvfp4.quantize(r_sel, "row", nvfp4.amax(x, "row")))
     off = qa.residual.block_scales.float().clone()
     off[:, [1, 4]] = 0
     assert torch.all(off == 0)
@@ -126,10 +118,10 @@ def test_triton_activation_quant_bit_identical(blocks, static, block_k):
     amax = torch.tensor(7.5) if static else None
     a = w4a4.quantize_activation(x, plan, amax)
     b = kg.quantize_activation(x, plan, amax, block_k=block_k, block_m=None if block_k else 8)
-    assert same_bits(a.x, b.x)
+    assert a.x.same_bits(b.x)
     assert (a.residual is None) == (b.residual is None)
     if a.residual is not None:
-        assert same_bits(a.residual, b.residual)
+        assert a.residual.same_bits(b.residual)
 
 
 def folded_reference(x, offs, ws, plan):
