@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from quads_megatron.kernels import nvfp4_quant  # noqa: E402
 from quads_megatron.kernels import w4a4_grouped as kg  # noqa: E402
 
+from quads_megatron import moe_w4a4 as moe  # noqa: E402
 from quads_megatron import nvfp4, w4a4  # noqa: E402
 from quads_megatron.config import RACConfig  # noqa: E402
 
@@ -85,6 +86,11 @@ def checks(log) -> dict:
             a, b = w4a4.quantize_activation(x, p, amax), kg.quantize_activation(x, p, amax)
             ok &= a.x.same_bits(b.x) and (p is None or a.residual.same_bits(b.residual))
     res["triton_act_rac_quant_bit_identical_gpu"] = bool(ok)
+    a, b = (
+        w4a4.quantize_activation(x, dynamic_channels=HIDDEN // 2),
+        kg.quantize_activation(x, dynamic_channels=HIDDEN // 2),
+    )
+    res["triton_dynamic_rac_quant_bit_identical_gpu"] = bool(a.x.same_bits(b.x) and a.residual.same_bits(b.residual))
     ws = [nvfp4.quantize(torch.randn(2 * INTER, HIDDEN, generator=g, device="cuda") * 0.02) for _ in range(E)]
     wc, wsc, wsd = kg.stack_expert_weights(ws)
     offs = routing(64, g)
@@ -202,8 +208,8 @@ def time_sizes(tokens_list, log) -> list[dict]:
         r["w4a4_gemm_us"] = t_gemm
         r["act_quant_us"] = bench(lambda: kg.activation_operand(x, check=False))
 
-        def w4a4_step(plan=None, mask=None):
-            op = kg.activation_operand(x, plan, check=False, block_mask=mask)
+        def w4a4_step(plan=None, mask=None, dynamic=0):
+            op = kg.activation_operand(x, plan, check=False, block_mask=mask, dynamic_channels=dynamic)
             return kg.grouped_w4a4(op, offs, wc, wsc, wsd, use_asm=asm, **kw)
 
         def codes_step(plan=None, mask=None):  # FP4 codes to the GEMM, decoded per tile there
@@ -222,6 +228,8 @@ def time_sizes(tokens_list, log) -> list[dict]:
             r[f"{tag}_total_us"] = bench(lambda plan=plan, mask=mask: w4a4_step(plan, mask))
             r[f"{tag}_codes_path_total_us"] = bench(lambda plan=plan, mask=mask: codes_step(plan, mask))
             r[f"{tag}_extra_pct"] = 100 * (r[f"{tag}_total_us"] / r["w4a4_total_us"] - 1)
+        r["dyn50_total_us"] = bench(lambda: w4a4_step(dynamic=HIDDEN // 2))  # per-token selection in-kernel
+        r["dyn50_extra_pct"] = 100 * (r["dyn50_total_us"] / r["w4a4_total_us"] - 1)
         # HBM floor: weights of active experts + activations (codes+scales) + bf16 output
         bytes_moved = nvfp4_bytes * active / E + rows * (HIDDEN // 2 + HIDDEN // 16 + 4) + rows * 2 * INTER * 2
         r["hbm_roofline_pct"] = 100 * (bytes_moved / 4.0e12) / (r["w4a4_total_us"] * 1e-6)
@@ -233,7 +241,47 @@ def time_sizes(tokens_list, log) -> list[dict]:
     return results
 
 
-def markdown(res: list[dict], acc: list[dict], chk: dict, device: str) -> str:
+def time_moe_block(tokens_list, log) -> list[dict]:
+    """The whole expert block (route, fc1, SiLU*up, fc2, top-k combine) as the SGLang method runs it
+    (moe_w4a4, Triton path), against the same block on torch._grouped_mm in bf16."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w13 = torch.randn(E, 2 * INTER, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, HIDDEN, INTER, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+    q13 = kg.stack_expert_weights([nvfp4.quantize(w13[e]) for e in range(E)])
+    q2 = kg.stack_expert_weights([nvfp4.quantize(w2[e]) for e in range(E)])
+    weights = moe.ExpertWeights(*q13, *q2)
+    rows = []
+    for tokens in tokens_list:
+        x = (
+            torch.randn(tokens, HIDDEN, generator=g, device="cuda")
+            * torch.exp(torch.randn(HIDDEN, generator=g, device="cuda"))
+        ).bfloat16()
+        ids = torch.rand(tokens, E, generator=g, device="cuda").topk(TOPK, dim=-1).indices
+        tw = torch.softmax(torch.randn(tokens, TOPK, generator=g, device="cuda"), -1)
+
+        def bf16_block():
+            order, offs, valid = moe.route(ids, E)
+            xs = x[order // TOPK]
+            h = moe.gated_activation(torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs))
+            y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+            return moe.combine(y, order, valid, tw).to(x.dtype)
+
+        r = {"tokens": tokens, "bf16_block_us": bench(bf16_block)}
+        for tag, rac in (
+            ("w4a4", moe.LayerRAC()),
+            (
+                "dyn50",
+                moe.LayerRAC(moe.GemmRAC(dynamic_channels=HIDDEN // 2), moe.GemmRAC(dynamic_channels=INTER // 2)),
+            ),
+        ):
+            r[f"{tag}_block_us"] = bench(lambda rac=rac: moe.moe_w4a4(x, ids, tw, weights, rac, check=False))
+            r[f"{tag}_vs_bf16"] = r["bf16_block_us"] / r[f"{tag}_block_us"]
+        rows.append(r)
+        log(json.dumps(r))
+    return rows
+
+
+def markdown(res: list[dict], acc: list[dict], chk: dict, device: str, blocks: list[dict] | None = None) -> str:
     lines = [
         f"# W4A4 NVFP4 MoE benchmark ({datetime.date.today().isoformat()}, {device}, torch {torch.__version__})",
         "",
@@ -247,8 +295,8 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str) -> str:
         "",
         "| tokens | rows | bf16 us | fp8 us | W4A4 us (quant; gemm) | vs bf16 | vs fp8 | % HBM roofline "
         "| RAC 12.5% extra | RAC 25% extra | RAC 50% extra | gemm ptx / int-op decode us | eager W4A4 us "
-        "| codes path us (RAC 50%) | config |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| dynamic RAC 50% extra | codes path us (RAC 50%) | config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res:
         lines.append(
@@ -258,7 +306,7 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str) -> str:
             f"| {r['rac25.0_extra_pct']:.1f}% | {r['rac50.0_extra_pct']:.1f}% "
             f"| {r.get('best_gemm_us_ptx_decode', float('nan')):.1f} "
             f"/ {r.get('best_gemm_us_intop_decode', float('nan')):.1f} "
-            f"| {r['w4a4_total_eager_us']:.1f} "
+            f"| {r['w4a4_total_eager_us']:.1f} | {r['dyn50_extra_pct']:.1f}% "
             f"| {r['codes_path_total_us']:.1f} ({r['rac50.0_codes_path_total_us']:.1f}) "
             f"| {r['config']} |"
         )
@@ -275,6 +323,20 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str) -> str:
             f"| {a['layer']} | {a['rac_0.0']:.4f} | {a['rac_0.125']:.4f} | {a['rac_0.25']:.4f} "
             f"| {a['rac_0.5']:.4f} | {a['rac_1.0']:.4f} |"
         )
+    if blocks:
+        lines += [
+            "",
+            "Whole expert block (route + fc1 + SiLU*up + fc2 + top-k combine; quads_megatron.moe_w4a4 as the",
+            "SGLang quads_nvfp4 method runs it) vs the same block on torch._grouped_mm (bf16); CUDA-graph replays.",
+            "",
+            "| tokens | bf16 block us | W4A4 block us | vs bf16 | W4A4 + dynamic RAC 50% us | vs bf16 |",
+            "|---|---|---|---|---|---|",
+        ]
+        for b in blocks:
+            lines.append(
+                f"| {b['tokens']} | {b['bf16_block_us']:.1f} | {b['w4a4_block_us']:.1f} | {b['w4a4_vs_bf16']:.2f} "
+                f"| {b['dyn50_block_us']:.1f} | {b['dyn50_vs_bf16']:.2f} |"
+            )
     lines += ["", "GPU checks:", ""] + [f"- {k}: {v}" for k, v in chk.items()]
     return "\n".join(lines) + "\n"
 
@@ -282,6 +344,7 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="16,64,256,1024,4096,16384")
+    ap.add_argument("--block-tokens", default="16,64,256,1024,4096")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -297,12 +360,13 @@ def main() -> None:
     chk = checks(log)
     acc = accuracy_table(log)
     res = time_sizes([int(t) for t in args.tokens.split(",")], log)
-    md = markdown(res, acc, chk, device)
+    blocks = time_moe_block([int(t) for t in args.block_tokens.split(",")], log)
+    md = markdown(res, acc, chk, device, blocks)
     print(md)
     with open(os.path.join(args.out, "bench_moe_w4a4.md"), "w") as f:
         f.write(md)
     with open(os.path.join(args.out, "bench_moe_w4a4.json"), "w") as f:
-        json.dump({"device": device, "checks": chk, "accuracy": acc, "timings": res}, f, indent=1)
+        json.dump({"device": device, "checks": chk, "accuracy": acc, "timings": res, "blocks": blocks}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,28 @@ def e4m3_value(s):
 
 
 @triton.jit
+def _dynamic_selection(
+    x0, x1, v0, v1, s_dec, blocks, n_sel, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """bool [BLOCK_M, BLOCK_K/16]: blocks whose residual amax is >= the row's n_sel-th largest
+    (quads_megatron.w4a4.dynamic_block_mask). The threshold is found by bisection on the fp32 bit
+    patterns (monotonic for non-negative floats): the largest t with count(score >= t) >= n_sel."""
+    NB: tl.constexpr = BLOCK_K // 16
+    r = tl.maximum(tl.abs(x0 - v0 * s_dec[:, None]), tl.abs(x1 - v1 * s_dec[:, None]))
+    score = tl.max(tl.reshape(r, (BLOCK_M, NB, 8)), axis=2)
+    score = tl.where(blocks[None, :] < K // 16, score, -1.0)  # padding blocks never count
+    bits = score.to(tl.int32, bitcast=True)
+    lo = tl.zeros((BLOCK_M,), tl.int32)
+    hi = tl.full((BLOCK_M,), 0x7F800000, tl.int32)
+    for _ in tl.static_range(31):
+        mid = lo + (hi - lo + 1) // 2
+        ok = tl.sum((bits >= mid[:, None]).to(tl.int32), axis=1) >= n_sel
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return bits >= lo[:, None]
+
+
+@triton.jit
 def _encode_store_chunk(
     x0,
     x1,
@@ -67,8 +89,10 @@ def _encode_store_chunk(
     rcodes_ptr,
     rscales_ptr,
     op_ptr,
+    n_sel,
     K: tl.constexpr,
     HAS_RES: tl.constexpr,
+    DYNAMIC: tl.constexpr,
     OPERAND: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -89,8 +113,12 @@ def _encode_store_chunk(
     v0 = e2m1_value(packed & 15) * sb_full  # value(q) * s_b: exact in fp32
     v1 = e2m1_value(packed >> 4) * sb_full
     if HAS_RES:
-        sel = tl.load(mask_ptr + blocks, mask=blocks < K // 16, other=0)
-        sel_full = tl.reshape(tl.broadcast_to(sel[None, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
+        if DYNAMIC:  # whole row in registers: pick this token's blocks
+            sel = _dynamic_selection(x0, x1, v0, v1, s_dec, blocks, n_sel, K, BLOCK_M, BLOCK_K)
+        else:
+            sel = tl.load(mask_ptr + blocks, mask=blocks < K // 16, other=0) != 0
+            sel = tl.broadcast_to(sel[None, :], (BLOCK_M, NB))
+        sel_full = tl.reshape(tl.broadcast_to(sel[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
         r0 = tl.where(sel_full != 0, x0 - v0 * s_dec[:, None], 0.0)
         r1 = tl.where(sel_full != 0, x1 - v1 * s_dec[:, None], 0.0)
         rpacked, rsb_code, rsb = nvfp4_block_encode(r0, r1, s_enc, s_dec, BLOCK_M, BLOCK_K)
@@ -144,9 +172,11 @@ def _act_quant_kernel(
     sdec_ptr,
     M,
     stride_xm,
+    n_sel,
     K: tl.constexpr,
     STATIC: tl.constexpr,
     HAS_RES: tl.constexpr,
+    DYNAMIC: tl.constexpr,
     OPERAND: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -176,8 +206,10 @@ def _act_quant_kernel(
             rcodes_ptr,
             rscales_ptr,
             op_ptr,
+            n_sel,
             K,
             HAS_RES,
+            DYNAMIC,
             OPERAND,
             BLOCK_M,
             BLOCK_K,
@@ -208,8 +240,10 @@ def _act_quant_kernel(
                 rcodes_ptr,
                 rscales_ptr,
                 op_ptr,
+                n_sel,
                 K,
                 HAS_RES,
+                DYNAMIC,
                 OPERAND,
                 BLOCK_M,
                 BLOCK_K,
@@ -230,7 +264,7 @@ class ActivationOperand:
     global_decode: torch.Tensor
 
 
-def _launch_act_quant(x, plan, static_amax, block_m, block_k, check, num_warps, block_mask, operand):
+def _launch_act_quant(x, plan, static_amax, block_m, block_k, check, num_warps, block_mask, operand, dynamic_channels):
     if check:
         nvfp4.check_quantizable(x, "activation")
     if x.dim() != 2:
@@ -238,14 +272,21 @@ def _launch_act_quant(x, plan, static_amax, block_m, block_k, check, num_warps, 
     m, k = x.shape
     if plan is not None and plan.k != k:
         raise NVFP4InputError(f"RAC plan is for K={plan.k}, activation has K={k}")
+    if plan is not None and dynamic_channels:
+        raise NVFP4InputError("use either a static RAC plan or dynamic_channels, not both")
+    if dynamic_channels % 16:
+        raise NVFP4InputError(f"dynamic RAC channels {dynamic_channels} is not a multiple of 16")
+    n_sel = min(dynamic_channels, k) // 16
     if x.stride(-1) != 1:
         x = x.contiguous()
     if block_k is None:
-        block_k = triton.next_power_of_2(k) if k <= 4096 else 512
+        block_k = triton.next_power_of_2(k) if k <= 4096 or n_sel else 512
+    if n_sel and block_k < k:
+        raise NVFP4InputError(f"dynamic RAC selects per row: block_k={block_k} must cover K={k}")
     if block_m is None:
         block_m = 1 if m <= 8192 else 4
     dev = x.device
-    has_res = plan is not None and plan.blocks.numel() > 0
+    has_res = n_sel > 0 or (plan is not None and plan.blocks.numel() > 0)
     sdec = torch.empty((m,), dtype=torch.float32, device=dev)
     if operand:
         op = torch.empty((m, 2, k // 2), dtype=torch.float16, device=dev)
@@ -256,7 +297,7 @@ def _launch_act_quant(x, plan, static_amax, block_m, block_k, check, num_warps, 
         scales = torch.empty((m, k // 16), dtype=torch.uint8, device=dev)
         rcodes = torch.empty_like(codes) if has_res else codes
         rscales = torch.empty_like(scales) if has_res else scales
-    if not has_res:
+    if not has_res or n_sel:
         mask = torch.zeros(1, dtype=torch.int8, device=dev)
     elif block_mask is not None:  # precomputed on the device (e.g. for CUDA-graph capture)
         mask = block_mask.to(device=dev, dtype=torch.int8)
@@ -275,9 +316,11 @@ def _launch_act_quant(x, plan, static_amax, block_m, block_k, check, num_warps, 
         sdec,
         m,
         x.stride(0),
+        n_sel,
         K=k,
         STATIC=static_amax is not None,
         HAS_RES=has_res,
+        DYNAMIC=n_sel > 0,
         OPERAND=operand,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
@@ -301,14 +344,18 @@ def quantize_activation(
     check: bool = True,
     num_warps: int = 4,
     block_mask: torch.Tensor | None = None,
+    dynamic_channels: int = 0,
 ) -> QuantizedActivation:
-    """Triton twin of quads_megatron.w4a4.quantize_activation (static plans; same bits).
+    """Triton twin of quads_megatron.w4a4.quantize_activation (same bits, static plan or dynamic per-token RAC).
 
     Defaults: the whole row in registers when K <= 4096 (one read of x), 1 row per program for
     small M (parallelism) and 4 for large M. block_mask: the plan's int8 [K/16] mask already on
-    the device (avoids a host-to-device copy, e.g. inside CUDA-graph capture).
+    the device (avoids a host-to-device copy, e.g. inside CUDA-graph capture). dynamic_channels:
+    per-token RAC selection (w4a4.dynamic_block_mask), which needs the whole row per program.
     """
-    return _launch_act_quant(x, plan, static_amax, block_m, block_k, check, num_warps, block_mask, False)
+    return _launch_act_quant(
+        x, plan, static_amax, block_m, block_k, check, num_warps, block_mask, False, dynamic_channels
+    )
 
 
 def activation_operand(
@@ -320,10 +367,13 @@ def activation_operand(
     check: bool = True,
     num_warps: int = 4,
     block_mask: torch.Tensor | None = None,
+    dynamic_channels: int = 0,
 ) -> ActivationOperand:
     """Quantize x like quantize_activation, but emit the GEMM's decoded fp16 operand instead of codes
     (same arguments). The Hopper GEMM then decodes only the weights, and RAC costs it nothing."""
-    return _launch_act_quant(x, plan, static_amax, block_m, block_k, check, num_warps, block_mask, True)
+    return _launch_act_quant(
+        x, plan, static_amax, block_m, block_k, check, num_warps, block_mask, True, dynamic_channels
+    )
 
 
 # ----------------------------------------------------------------------------- grouped GEMM
@@ -422,11 +472,13 @@ def _grouped_w4a4_kernel(
     N,
     E,
     rmask_estride,
+    wsdec_stride,
     K: tl.constexpr,
     HAS_RES: tl.constexpr,
     LOG2_E: tl.constexpr,
     USE_ASM: tl.constexpr,
     A_OPERAND: tl.constexpr,
+    OUT_BF16: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -472,8 +524,11 @@ def _grouped_w4a4_kernel(
         acc = tl.dot(a_hi, tl.trans(w_hi), acc)
     acc = acc * 16384.0  # undo 2^-7 on each operand (exact power of two)
     sa = tl.load(asdec_ptr + rows, mask=rmask, other=0.0)
-    sw = tl.load(wsdec_ptr + e)
+    sw = tl.load(wsdec_ptr + e * wsdec_stride)
     y = acc * sa[:, None] * sw
+    if OUT_BF16:  # round to nearest even by bit ops: the interpreter's own fp32->bf16 cast truncates
+        yb = y.to(tl.int32, bitcast=True)
+        y = ((yb + 0x7FFF + ((yb >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
     tl.store(
         y_ptr + rows64[:, None] * N + ncols[None, :], y.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :]
     )
@@ -485,6 +540,15 @@ def stack_expert_weights(weights: list[NVFP4Tensor]) -> tuple[torch.Tensor, torc
     scales = torch.stack([w.block_scales.view(torch.uint8) for w in weights])
     sdec = torch.stack([w.global_decode.reshape(()) for w in weights]).float()
     return codes, scales, sdec
+
+
+def gemm_config(rows: int, k: int) -> dict[str, int]:
+    """Tiles for grouped_w4a4 from the H200 sweep (benchmarks/results/bench_moe_w4a4.md): up to ~4k
+    grouped rows the GEMM streams weights (16-row tiles), beyond it is compute bound (128x128)."""
+    bk = next(b for b in (128, 64, 32, 16) if k % b == 0)
+    if rows <= 4096:
+        return dict(block_m=16, block_n=64 if rows <= 256 else 128, block_k=bk, num_warps=4, num_stages=3)
+    return dict(block_m=128, block_n=128, block_k=bk, num_warps=8, num_stages=3)
 
 
 def grouped_w4a4(
@@ -507,8 +571,10 @@ def grouped_w4a4(
     qa: activations of all rows (rows of expert e are offs[e-1]:offs[e]): NVFP4 codes
         (QuantizedActivation, decoded in the GEMM; RAC residual added per tile) or the pre-decoded
         ActivationOperand (faster: only weights are decoded; RAC already folded in).
-    w_codes/w_scales/w_sdec: stack_expert_weights output. res_block_mask: int8/bool [K/16] or
-    [E, K/16] marking compensated blocks (None: every block may hold residual).
+    w_codes/w_scales/w_sdec: stack_expert_weights output (w_sdec [E] fp32 may be a strided view, e.g.
+    the gate column of a serving engine's [E, 2] weight_scale_2: read in place, nothing derived).
+    res_block_mask: int8/bool [K/16] or [E, K/16] marking compensated blocks (None: every block may
+    hold residual).
     """
     e_count, n, k_half = w_codes.shape
     k = k_half * 2
@@ -563,11 +629,13 @@ def grouped_w4a4(
         n,
         e_count,
         estride,
+        w_sdec.stride(0),
         K=k,
         HAS_RES=has_res,
         LOG2_E=max(1, (e_count - 1).bit_length()),
         USE_ASM=use_asm,
         A_OPERAND=a_operand,
+        OUT_BF16=out_dtype == torch.bfloat16,
         BM=block_m,
         BN=block_n,
         BK=block_k,

@@ -566,16 +566,40 @@ def megatron_expert_tensors(
             yield from modelopt_tensors(f"{base}.{proj}", part, input_amax.get(f"{base}.{proj}")).items()
 
 
+_GATE_UP_UNIT = re.compile(r"^(?P<base>.*\.experts\.\d+)\.(?:gate_proj|up_proj|w1|w3)\.")
+
+
 def bucketed(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20) -> Iterator[list]:
-    """Group (name, tensor) pairs into lists of at most bucket_bytes (one oversize tensor per list)."""
+    """Group (name, tensor) pairs into lists of at most bucket_bytes.
+
+    An expert's gate and up tensors (one shared global scale) always land in the same list, as
+    long as they arrive consecutively (megatron_expert_tensors yields them so): a receiver can
+    then check and apply each list on its own. One unit larger than bucket_bytes is a list alone.
+    """
+    unit: list[tuple[str, torch.Tensor]] = []
+    unit_key = None
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
+
+    def nbytes(items):
+        return sum(t.numel() * t.element_size() for _, t in items)
+
     for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+        m = _GATE_UP_UNIT.match(name)
+        key = m["base"] if m else None
+        if unit and (key is None or key != unit_key):
+            if bucket and size + nbytes(unit) > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket += unit
+            size += nbytes(unit)
+            unit = []
+        unit.append((name, t))
+        unit_key = key
+    if unit:
+        if bucket and size + nbytes(unit) > bucket_bytes:
             yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
+            bucket = []
+        bucket += unit
     if bucket:
         yield bucket

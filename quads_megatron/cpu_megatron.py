@@ -60,8 +60,11 @@ def install_cpu_shims_for_megatron() -> None:
         moe_utils.te_general_gemm = None  # 0.16.1 leaves it undefined without TE
 
 
-def init_distributed(rank: int = 0, world_size: int = 1, port: int | None = None, ep: int = 1) -> None:
-    """gloo process group (if none yet) + megatron parallel state with expert parallel size ep.
+def init_distributed(
+    rank: int = 0, world_size: int = 1, port: int | None = None, ep: int = 1, backend: str = "gloo"
+) -> None:
+    """A process group (gloo; nccl for the GPU tests), if none yet, + megatron parallel state with
+    expert parallel size ep.
 
     port: the rendezvous port every rank of this group uses (required when world_size > 1; a
     spawned worker must not inherit its parent's MASTER_PORT). Alone, a free port is picked.
@@ -73,7 +76,7 @@ def init_distributed(rank: int = 0, world_size: int = 1, port: int | None = None
             raise ValueError("init_distributed: pass the shared rendezvous port when world_size > 1")
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port if port is not None else _free_port())
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)

@@ -79,6 +79,22 @@ def residual_block_scores(x: torch.Tensor, static_amax: torch.Tensor | None = No
     return r.reshape(x.shape[0], -1, BLOCK_SIZE).square().sum(-1)
 
 
+def dynamic_block_mask(residual: torch.Tensor, channels: int) -> torch.Tensor:
+    """Per-token RAC selection: bool [M, K/16] from the residual [M, K/16, 16] (fp32).
+
+    A block is compensated when its residual amax is >= the token's n-th largest block amax
+    (n = channels / 16): the top n blocks, plus any tied with the n-th. Amax (not a sum) makes the
+    score order-independent, so the Triton kernel selects exactly the same blocks.
+    """
+    if channels % BLOCK_SIZE:
+        raise NVFP4InputError(f"dynamic RAC channels {channels} is not a multiple of {BLOCK_SIZE}")
+    score = residual.abs().amax(-1)
+    n = min(channels // BLOCK_SIZE, score.shape[1])
+    if n == 0:
+        return torch.zeros_like(score, dtype=torch.bool)
+    return score >= score.topk(n, dim=-1).values[:, -1:]
+
+
 def quantize_activation(
     x: torch.Tensor,
     plan: RACPlan | None = None,
@@ -88,7 +104,8 @@ def quantize_activation(
     """Quantize x [M, K] for W4A4 (+RAC).
 
     plan: static RAC selection (calibrated per layer); dynamic_channels: instead, compensate the
-    top blocks of each token by residual norm (a multiple of 16). Neither: plain W4A4.
+    top blocks of each token by residual amax (a multiple of 16, see dynamic_block_mask).
+    Neither: plain W4A4.
     """
     nvfp4.check_quantizable(x, "activation")
     if x.dim() != 2:
@@ -99,17 +116,15 @@ def quantize_activation(
         raise NVFP4InputError(f"RAC plan is for K={plan.k}, activation has K={x.shape[1]}")
     a = activation_amax(x, static_amax)
     xq = nvfp4.quantize(x, "row", a, check=False)
+    if dynamic_channels % BLOCK_SIZE:
+        raise NVFP4InputError(f"dynamic RAC channels {dynamic_channels} is not a multiple of {BLOCK_SIZE}")
     if plan is None and not dynamic_channels:
         return QuantizedActivation(xq, None)
     r = (x.float() - nvfp4.dequantize(xq)).reshape(x.shape[0], -1, BLOCK_SIZE)
     if plan is not None:
         mask = plan.block_mask(x.device).expand(x.shape[0], -1)
     else:
-        if dynamic_channels % BLOCK_SIZE:
-            raise NVFP4InputError(f"dynamic_channels {dynamic_channels} is not a multiple of {BLOCK_SIZE}")
-        n = min(dynamic_channels // BLOCK_SIZE, r.shape[1])
-        top = r.square().sum(-1).topk(n, dim=-1).indices
-        mask = torch.zeros(r.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, top, True)
+        mask = dynamic_block_mask(r, dynamic_channels)
     r = torch.where(mask.unsqueeze(-1), r, torch.zeros_like(r)).reshape(x.shape)
     return QuantizedActivation(xq, nvfp4.quantize(r, "row", a, check=False))
 

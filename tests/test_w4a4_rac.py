@@ -70,13 +70,22 @@ def test_rac_reduces_error_against_trainer_output(ratio):
 def test_dynamic_per_token_selection():
     x = outlier_activations(8, 64)
     qa = w4a4.quantize_activation(x, dynamic_channels=16)
+    xq = nvfp4.quantize(x, "row")
+    r_amax = (x.float() - nvfp4.dequantize(xq)).reshape(8, 4, 16).abs().amax(-1)
     nonzero_blocks = (qa.residual.block_scales.float() != 0).sum(1)
-    assert torch.all(nonzero_blocks <= 1)
-    scores = w4a4.residual_block_scores(x)
+    assert torch.all(nonzero_blocks <= 1) and nonzero_blocks.sum() > 4
     picked = qa.residual.block_scales.float().argmax(1)
-    assert torch.equal(picked[nonzero_blocks == 1], scores.argmax(1)[nonzero_blocks == 1])
+    assert torch.equal(picked[nonzero_blocks == 1], r_amax.argmax(1)[nonzero_blocks == 1])
+    # ties with the n-th largest are all compensated (one rule the kernel can follow exactly)
+    r = torch.tensor([[[1.0] * 16, [3.0] * 16, [3.0] * 16, [0.5] * 16]])
+    assert w4a4.dynamic_block_mask(r, 16).tolist() == [[False, True, True, False]]
+    assert w4a4.dynamic_block_mask(r, 32).tolist() == [[False, True, True, False]]
+    assert w4a4.dynamic_block_mask(r, 48).tolist() == [[True, True, True, False]]
+    assert not w4a4.dynamic_block_mask(r, 0).any()
     with pytest.raises(NVFP4InputError, match="multiple of 16"):
         w4a4.quantize_activation(x, dynamic_channels=8)
+    with pytest.raises(NVFP4InputError, match="not both"):
+        w4a4.quantize_activation(x, w4a4.RACPlan(torch.tensor([0]), 64), dynamic_channels=16)
 
 
 def test_bad_inputs():
@@ -124,6 +133,23 @@ def test_triton_activation_quant_bit_identical(blocks, static, block_k):
         assert a.residual.same_bits(b.residual)
 
 
+@pytest.mark.parametrize("channels", [16, 48, 96, 160])  # 160 > K: every block
+@pytest.mark.parametrize("static", [False, True])
+def test_triton_dynamic_rac_bit_identical(channels, static):
+    x = outlier_activations(33, 96)
+    x[3] = 0
+    x[5, :16] = x[5, 16:32]  # equal residual amaxes: ties resolved by the same rule
+    amax = torch.tensor(9.0) if static else None
+    a = w4a4.quantize_activation(x, None, amax, dynamic_channels=channels)
+    b = kg.quantize_activation(x, None, amax, block_m=4, dynamic_channels=channels)
+    assert a.x.same_bits(b.x) and a.residual.same_bits(b.residual)
+    op = kg.activation_operand(x, None, amax, dynamic_channels=channels)
+    want = ((w4a4._exact_values(a.x) / 128).half().float() + (w4a4._exact_values(a.residual) / 128).half()).half()
+    assert torch.equal(op.values[:, 0], want[:, 0::2]) and torch.equal(op.values[:, 1], want[:, 1::2])
+    with pytest.raises(NVFP4InputError, match="must cover K"):
+        kg.quantize_activation(x, block_k=32, dynamic_channels=16)
+
+
 def folded_reference(x, offs, ws, plan):
     """What the kernel computes for RAC: fp16(A*2^-7) + fp16(R*2^-7) rounded in fp16, times W, in fp64."""
     out = torch.zeros(x.shape[0], ws[0].shape[0], dtype=torch.float64)
@@ -164,7 +190,9 @@ def test_triton_grouped_gemm_matches_reference(rac_blocks, experts):
     )
     assert torch.equal(y_op, y)
     y_bf16 = kg.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, block_n=32, block_k=32)
-    assert y_bf16.dtype == torch.bfloat16
+    assert y_bf16.dtype == torch.bfloat16  # rounded to nearest even (not truncated) from the fp32 result
+    y32 = kg.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, out_dtype=torch.float32, block_n=32, block_k=32)
+    assert torch.equal(y_bf16, y32.bfloat16())
     assert torch.allclose(y_bf16.float(), ref, rtol=1e-2, atol=1e-2 * tol)
 
 

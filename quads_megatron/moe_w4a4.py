@@ -1,0 +1,224 @@
+"""Rollout MoE block: routed tokens through W4A4 NVFP4 experts with RAC (what the SGLang backend runs).
+
+y[t] = sum_j  w[t, j] * fc2_e( act( fc1_e(x[t]) ) ),  e = ids[t, j]
+
+fc1/fc2 are W4A4 GEMMs (quads_megatron.w4a4): activations quantized per token (or with a static
+amax), optionally RAC-compensated (static plan or dynamic per-token selection), weights are the
+converter's / trainer's NVFP4 codes as they are (no re-quantization). fc1 outputs and the gated
+activation are rounded to the activation dtype (bf16) like every serving engine does between the
+two GEMMs. Two implementations with one contract: ``reference`` (torch, any device) and
+``triton`` (quads_megatron.kernels.w4a4_grouped, the Hopper path).
+
+Routing: ids outside [0, E) (tokens routed to experts of another EP rank, marked -1 by SGLang)
+contribute nothing. The top-k sum runs in a fixed order (no atomics): same input, same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quads_megatron import w4a4
+from quads_megatron.nvfp4 import BLOCK_SIZE, NVFP4InputError, NVFP4Tensor
+
+ACTIVATIONS = ("silu",)
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """NVFP4 weights of one MoE layer's local experts, stacked as the kernels read them.
+
+    w13_codes u8 [E, 2I, H/2] (gate rows, then up rows), w13_scales u8 [E, 2I, H/16] (E4M3 bytes),
+    w13_sdec f32 [E] (S_dec, shared by gate and up); w2_codes u8 [E, H, I/2], w2_scales u8
+    [E, H, I/16], w2_sdec f32 [E]. Views of the serving engine's parameters are fine (no copies).
+    """
+
+    w13_codes: torch.Tensor
+    w13_scales: torch.Tensor
+    w13_sdec: torch.Tensor
+    w2_codes: torch.Tensor
+    w2_scales: torch.Tensor
+    w2_sdec: torch.Tensor
+
+    def __post_init__(self) -> None:
+        e, two_i, h_half = self.w13_codes.shape
+        if two_i % 2 or self.w2_codes.shape != (e, 2 * h_half, two_i // 4):
+            raise NVFP4InputError(
+                f"expert weights: w13 codes {tuple(self.w13_codes.shape)} and w2 codes "
+                f"{tuple(self.w2_codes.shape)} are not [E, 2I, H/2] and [E, H, I/2]"
+            )
+        for name, t, want in (
+            ("w13_scales", self.w13_scales, (e, two_i, h_half * 2 // BLOCK_SIZE)),
+            ("w2_scales", self.w2_scales, (e, 2 * h_half, two_i // 2 // BLOCK_SIZE)),
+            ("w13_sdec", self.w13_sdec, (e,)),
+            ("w2_sdec", self.w2_sdec, (e,)),
+        ):
+            if tuple(t.shape) != want:
+                raise NVFP4InputError(f"expert weights: {name} has shape {tuple(t.shape)}, expected {want}")
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13_codes.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w13_codes.shape[2] * 2
+
+    @property
+    def intermediate(self) -> int:
+        return self.w13_codes.shape[1] // 2
+
+    def expert(self, e: int, which: str) -> NVFP4Tensor:
+        """Expert e's 'w13' [2I, H] or 'w2' [H, I] as an NVFP4Tensor (views)."""
+        codes, scales, sdec = (
+            (self.w13_codes, self.w13_scales, self.w13_sdec)
+            if which == "w13"
+            else (self.w2_codes, self.w2_scales, self.w2_sdec)
+        )
+        return NVFP4Tensor(codes[e], scales[e].view(torch.float8_e4m3fn), sdec[e].reshape(()))
+
+
+@dataclass(frozen=True)
+class GemmRAC:
+    """RAC of one GEMM: a static plan (calibrated), or dynamic per-token channels, or neither."""
+
+    plan: w4a4.RACPlan | None = None
+    dynamic_channels: int = 0
+    mask: torch.Tensor | None = None  # the plan's int8 [K/16] block mask on the compute device
+
+    def on(self, device: torch.device | str) -> GemmRAC:
+        """The same selection with its mask already on device (no host copy per call: CUDA-graph safe)."""
+        if self.plan is None:
+            return self
+        return GemmRAC(self.plan, 0, self.plan.block_mask(device).to(torch.int8))
+
+    def __post_init__(self) -> None:
+        if self.plan is not None and self.dynamic_channels:
+            raise NVFP4InputError("RAC: use either a static plan or dynamic channels, not both")
+        if self.dynamic_channels % BLOCK_SIZE:
+            raise NVFP4InputError(f"RAC: dynamic channels {self.dynamic_channels} is not a multiple of {BLOCK_SIZE}")
+
+
+@dataclass(frozen=True)
+class LayerRAC:
+    fc1: GemmRAC = GemmRAC()
+    fc2: GemmRAC = GemmRAC()
+
+    def on(self, device: torch.device | str) -> LayerRAC:
+        return LayerRAC(self.fc1.on(device), self.fc2.on(device))
+
+
+def route(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group (token, slot) pairs by expert, without a host sync.
+
+    Returns order int64 [T*k] (flat slot index of each grouped row; pairs with foreign experts
+    last), offs int32 [E] (cumulative row ends, as torch._grouped_mm), valid bool [T*k] (grouped
+    rows that belong to a local expert).
+    """
+    ids = topk_ids.reshape(-1).long()
+    local = (ids >= 0) & (ids < num_experts)
+    key = torch.where(local, ids, torch.full_like(ids, num_experts))
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
+    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:num_experts]  # bincount would sync
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    return order, offs, local[order]
+
+
+def gated_activation(y1: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """[M, 2I] (gate | up) -> act(gate) * up [M, I], computed in fp32, rounded to y1's dtype."""
+    if activation not in ACTIVATIONS:
+        raise NVFP4InputError(f"activation {activation!r} is not supported (supported: {list(ACTIVATIONS)})")
+    gate, up = y1.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(y1.dtype)
+
+
+def combine(
+    y_grouped: torch.Tensor, order: torch.Tensor, valid: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """Grouped expert outputs [T*k, H] -> sum_j w[t, j] * y[t, j] in fp32 [T, H], in slot order."""
+    t, k = topk_weights.shape
+    y = torch.zeros((t * k, y_grouped.shape[1]), dtype=torch.float32, device=y_grouped.device)
+    y[order] = torch.where(valid[:, None], y_grouped.float(), 0.0)
+    return (y.view(t, k, -1) * topk_weights.float().unsqueeze(-1)).sum(1)
+
+
+def moe_w4a4(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    rac: LayerRAC = LayerRAC(),
+    static_amax: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    activation: str = "silu",
+    impl: str = "auto",
+    check: bool = True,
+) -> torch.Tensor:
+    """MoE experts of x [T, H] (bf16/fp16) with topk_ids/topk_weights [T, k] -> [T, H] in x.dtype.
+
+    impl: 'reference' (torch), 'triton' (Hopper kernels; CPU only under TRITON_INTERPRET=1), or
+    'auto' (triton on CUDA, reference elsewhere). check: refuse NaN/Inf in x (a host sync; pass
+    False inside CUDA-graph capture). Nothing else syncs with the host on the Triton path.
+    """
+    if x.dim() != 2 or x.shape[1] != weights.hidden:
+        raise NVFP4InputError(f"hidden states must be [T, {weights.hidden}], got {tuple(x.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise NVFP4InputError(
+            f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} must both be [T={x.shape[0]}, k]"
+        )
+    if impl == "auto":
+        impl = "triton" if x.is_cuda else "reference"
+    if impl not in ("reference", "triton"):
+        raise NVFP4InputError(f"impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+    order, offs, valid = route(topk_ids, weights.num_experts)
+    tokens = order // topk_ids.shape[1]
+    run = _experts_triton if impl == "triton" else _experts_reference
+    y2 = run(x, tokens, offs, valid, weights, rac, static_amax, activation, check)
+    return combine(y2, order, valid, topk_weights).to(x.dtype)
+
+
+def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation, check):
+    e = weights.num_experts
+
+    def gemm(a, which, g, amax):
+        ws = [weights.expert(i, which) for i in range(e)]
+        plans = None if g.plan is None else [g.plan] * e
+        return w4a4.grouped_w4a4_reference(a, offs, ws, plans, amax, g.dynamic_channels).to(x.dtype)
+
+    y1 = gemm(x[tokens], "w13", rac.fc1, static_amax[0])
+    h = torch.where(valid[:, None], gated_activation(y1, activation), 0.0)
+    return gemm(h, "w2", rac.fc2, static_amax[1])
+
+
+def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check):
+    from quads_megatron.kernels import w4a4_grouped as kg
+
+    def operand(a, g, amax, check):
+        return kg.activation_operand(
+            a, g.plan, amax, check=check, block_mask=g.mask, dynamic_channels=g.dynamic_channels
+        )
+
+    op = operand(x, rac.fc1, static_amax[0], check)  # once per token, then gathered to its k experts
+    op = kg.ActivationOperand(op.values[tokens], op.global_decode[tokens])
+    rows = tokens.numel()
+    y1 = kg.grouped_w4a4(
+        op,
+        offs,
+        weights.w13_codes,
+        weights.w13_scales,
+        weights.w13_sdec,
+        out_dtype=x.dtype,
+        **kg.gemm_config(rows, weights.hidden),
+    )
+    h = torch.where(valid[:, None], gated_activation(y1, activation), 0.0)
+    op2 = operand(h, rac.fc2, static_amax[1], False)  # finite by construction; no host sync
+    return kg.grouped_w4a4(
+        op2,
+        offs,
+        weights.w2_codes,
+        weights.w2_scales,
+        weights.w2_sdec,
+        out_dtype=x.dtype,
+        **kg.gemm_config(rows, weights.intermediate),
+    )

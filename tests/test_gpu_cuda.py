@@ -1,0 +1,125 @@
+"""CUDA-only checks, run on the H200 by benchmarks/device_run.sh (skipped on CPU machines, where
+test_megatron_patch / test_moe_w4a4 cover the same contracts through the CPU paths).
+
+* the Megatron-Core patches on CUDA tensors (megatron-core 0.19 on the device): forward equals
+  x @ qdq(W)^T, STE gradients, one QDQ per weight version, with the Triton QDQ twin;
+* the rollout MoE block (the SGLang method's forward) at Qwen3-30B-A3B expert sizes: Triton path
+  vs reference, strided S_dec views, and CUDA-graph capture (no host sync on the serving path).
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device script)")
+
+H, INTER, E, TOPK = 2048, 768, 16, 8
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    from quads_megatron.cpu_megatron import init_distributed
+
+    init_distributed(backend="nccl")
+    yield
+
+
+def test_megatron_patches_on_cuda_tensors(megatron_world):
+    import quads_megatron
+    from quads_megatron import fake_quant, nvfp4
+    from quads_megatron.cpu_megatron import build_moe_layer, moe_config
+
+    quads_megatron.remove()
+    ref = build_moe_layer(moe_config(), seed=0).cuda()
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if ".local_experts." in n:
+                p.copy_(nvfp4.qdq(p))  # the torch contract
+    quads_megatron.apply()
+    try:
+        layer = build_moe_layer(moe_config(), seed=0).cuda()
+        fake_quant.reset_stats()
+        x = torch.randn(6, 2, 32, device="cuda")
+        outs = []
+        for m in (layer, ref):
+            xi = x.clone().requires_grad_(True)
+            out, _ = m(xi)
+            (out * torch.linspace(-1, 1, out.numel(), device="cuda").reshape(out.shape)).sum().backward()
+            outs.append((out.detach(), xi.grad, {n: p.grad for n, p in m.named_parameters()}))
+        assert torch.equal(outs[0][0], outs[1][0])  # patched forward (Triton QDQ twin) == qdq weights
+        assert torch.equal(outs[0][1], outs[1][1])
+        for n, g in outs[0][2].items():
+            assert torch.equal(g, outs[1][2][n]), n  # straight-through gradients
+        calls = fake_quant.STATS.qdq_calls
+        layer(x)  # a second micro-batch: cached QDQ
+        assert fake_quant.STATS.qdq_calls == calls and fake_quant.STATS.cache_hits > 0
+    finally:
+        quads_megatron.remove()
+
+
+def moe_case(t, seed=0):
+    from quads_megatron.kernels import w4a4_grouped as kg
+
+    from quads_megatron import nvfp4
+    from quads_megatron.moe_w4a4 import ExpertWeights
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13, w2 = [], []
+    for _ in range(E):
+        gu = torch.randn(2 * INTER, H, generator=g, device="cuda") * 0.02
+        w13.append(nvfp4.quantize(gu))
+        w2.append(nvfp4.quantize(torch.randn(H, INTER, generator=g, device="cuda") * 0.02))
+    w = ExpertWeights(*kg.stack_expert_weights(w13), *kg.stack_expert_weights(w2))
+    x = (
+        torch.randn(t, H, generator=g, device="cuda") * torch.exp(torch.randn(H, generator=g, device="cuda"))
+    ).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:TOPK] for _ in range(t)])
+    tw = torch.softmax(torch.randn(t, TOPK, generator=g, device="cuda"), -1)
+    return x, ids, tw, w
+
+
+@pytest.mark.parametrize("rac", ["plain", "static", "dynamic"])
+def test_moe_block_triton_matches_reference_on_gpu(rac):
+    from quads_megatron import w4a4
+    from quads_megatron.moe_w4a4 import ExpertWeights, GemmRAC, LayerRAC, moe_w4a4
+
+    x, ids, tw, w = moe_case(48)
+    ids[0, 0] = -1  # another EP rank's expert
+    racs = {
+        "plain": LayerRAC(),
+        "static": LayerRAC(
+            GemmRAC(w4a4.RACPlan(torch.arange(0, 128, 2), H)), GemmRAC(w4a4.RACPlan(torch.arange(0, 48, 2), INTER))
+        ),
+        "dynamic": LayerRAC(GemmRAC(dynamic_channels=H // 2), GemmRAC(dynamic_channels=INTER // 2)),
+    }
+    r = racs[rac].on("cuda")
+    ref = moe_w4a4(x, ids, tw, w, r, impl="reference").float()
+    got = moe_w4a4(x, ids, tw, w, r, impl="triton").float()
+    assert ((got - ref).norm() / ref.norm()).item() < 5e-3  # 1-ulp bf16 differences after fc1 only
+    # the serving engine's S_dec is the gate column of an [E, 2] tensor: read through the stride
+    s13 = torch.stack([w.w13_sdec, w.w13_sdec], 1)
+    strided = ExpertWeights(w.w13_codes, w.w13_scales, s13[:, 0], w.w2_codes, w.w2_scales, w.w2_sdec)
+    assert torch.equal(moe_w4a4(x, ids, tw, strided, r, impl="triton").float(), got)
+
+
+def test_moe_block_captures_in_a_cuda_graph():
+    from quads_megatron.moe_w4a4 import GemmRAC, LayerRAC, moe_w4a4
+
+    x, ids, tw, w = moe_case(16, seed=1)
+    r = LayerRAC(GemmRAC(dynamic_channels=H // 2), GemmRAC(dynamic_channels=INTER // 2))
+    eager = moe_w4a4(x, ids, tw, w, r, check=False)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe_w4a4(x, ids, tw, w, r, check=False)  # warm-up (Triton compiles outside the capture)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_w4a4(x, ids, tw, w, r, check=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    x2, ids2, tw2, _ = moe_case(16, seed=2)
+    x.copy_(x2), ids.copy_(ids2), tw.copy_(tw2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, moe_w4a4(x2, ids2, tw2, w, r, check=False))

@@ -1,0 +1,119 @@
+"""Rollout MoE block (W4A4 + RAC experts): reference semantics, Triton path (TRITON_INTERPRET=1)."""
+
+import pytest
+import torch
+from quads_megatron.kernels import w4a4_grouped as kg
+
+from quads_megatron import nvfp4, w4a4
+from quads_megatron.moe_w4a4 import ExpertWeights, GemmRAC, LayerRAC, moe_w4a4, route
+from quads_megatron.nvfp4 import NVFP4InputError
+
+E, H, INTER, T, TOPK = 4, 64, 32, 11, 2
+
+
+def experts(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13, w2 = [], []
+    for e in range(E):
+        gate, up = torch.randn(INTER, H, generator=g) * 0.05 * (e + 1), torch.randn(INTER, H, generator=g) * 0.1
+        amax = nvfp4.shared_amax(gate, up)  # the contract: gate and up share one global scale
+        w13.append(nvfp4.quantize(torch.cat([gate, up]), global_amax=amax))
+        w2.append(nvfp4.quantize(torch.randn(H, INTER, generator=g) * 0.05))
+    c13, s13, d13 = kg.stack_expert_weights(w13)
+    c2, s2, d2 = kg.stack_expert_weights(w2)
+    return ExpertWeights(c13, s13, d13, c2, s2, d2), w13, w2
+
+
+def routing(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, H, generator=g) * torch.exp(torch.randn(H, generator=g))).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, TOPK, generator=g), -1)
+    return x, ids, w
+
+
+def per_token_loop(x, ids, tw, w13, w2, rac):
+    """Independent spelling: each (token, slot) on its own through w4a4_linear_reference."""
+    out = torch.zeros(T, H)
+    for t in range(T):
+        for j in range(TOPK):
+            e = int(ids[t, j])
+            if not 0 <= e < E:
+                continue
+            qa = w4a4.quantize_activation(x[t : t + 1], rac.fc1.plan, None, rac.fc1.dynamic_channels)
+            y1 = w4a4.w4a4_linear_reference(qa, w13[e]).bfloat16().float()
+            h = (torch.nn.functional.silu(y1[:, :INTER]) * y1[:, INTER:]).bfloat16()
+            qh = w4a4.quantize_activation(h, rac.fc2.plan, None, rac.fc2.dynamic_channels)
+            out[t] += tw[t, j] * w4a4.w4a4_linear_reference(qh, w2[e])[0].bfloat16().float()
+    return out.bfloat16()
+
+
+RACS = {
+    "plain": LayerRAC(),
+    "static": LayerRAC(GemmRAC(w4a4.RACPlan(torch.tensor([0, 3]), H)), GemmRAC(w4a4.RACPlan(torch.tensor([1]), INTER))),
+    "dynamic": LayerRAC(GemmRAC(dynamic_channels=32), GemmRAC(dynamic_channels=16)),
+}
+
+
+@pytest.mark.parametrize("rac", list(RACS))
+def test_reference_equals_per_token_loop(rac):
+    weights, w13, w2 = experts()
+    x, ids, tw = routing()
+    ids[2, 1] = -1  # a slot routed to another EP rank's expert
+    got = moe_w4a4(x, ids, tw, weights, RACS[rac], impl="reference")
+    assert torch.allclose(got.float(), per_token_loop(x, ids, tw, w13, w2, RACS[rac]).float(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("rac", list(RACS))
+def test_triton_path_matches_reference(rac):
+    weights, _, _ = experts()
+    x, ids, tw = routing()
+    ids[0, 0] = E  # out of range: ignored like -1
+    ref = moe_w4a4(x, ids, tw, weights, RACS[rac], impl="reference").float()
+    got = moe_w4a4(x, ids, tw, weights, RACS[rac].on("cpu"), impl="triton").float()
+    # same quantization; fc1 sums differ in order (fp32 vs fp64), so bf16 roundings may differ by 1 ulp
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+    assert torch.equal(got, moe_w4a4(x, ids, tw, weights, RACS[rac].on("cpu"), impl="triton").float())  # deterministic
+
+
+def test_rac_brings_the_moe_block_closer_to_the_trainer():
+    """The trainer computes x @ qdq(W)^T with BF16 activations; RAC shrinks the W4A4 gap to it."""
+    weights, w13, w2 = experts()
+    x, ids, tw = routing()
+    trainer = torch.zeros(T, H)
+    for t in range(T):
+        for j in range(TOPK):
+            e = int(ids[t, j])
+            y1 = (x[t].float() @ w13[e].dequantize().t()).bfloat16().float()
+            h = (torch.nn.functional.silu(y1[:INTER]) * y1[INTER:]).bfloat16().float()
+            trainer[t] += tw[t, j] * (h @ w2[e].dequantize().t())
+    gap = {k: (moe_w4a4(x, ids, tw, weights, r).float() - trainer).norm().item() for k, r in RACS.items()}
+    assert gap["dynamic"] < gap["plain"] and gap["static"] < gap["plain"]
+
+
+def test_routing_and_bad_inputs():
+    order, offs, valid = route(torch.tensor([[1, 0], [1, -1]]), 2)
+    assert offs.tolist() == [1, 3] and order.tolist()[:3] == [1, 0, 2] and valid.tolist() == [True, True, True, False]
+    weights, _, _ = experts()
+    x, ids, tw = routing()
+    with pytest.raises(NVFP4InputError, match="hidden states"):
+        moe_w4a4(x[:, :32], ids, tw, weights)
+    with pytest.raises(NVFP4InputError, match="topk ids"):
+        moe_w4a4(x, ids[:, :1], tw, weights)
+    with pytest.raises(NVFP4InputError, match="not supported"):
+        moe_w4a4(x, ids, tw, weights, activation="relu")
+    with pytest.raises(NVFP4InputError, match="not both"):
+        GemmRAC(w4a4.RACPlan(torch.tensor([0]), H), 16)
+    with pytest.raises(NVFP4InputError, match="w2_sdec"):
+        ExpertWeights(
+            weights.w13_codes,
+            weights.w13_scales,
+            weights.w13_sdec,
+            weights.w2_codes,
+            weights.w2_scales,
+            weights.w2_sdec[:2],
+        )
+    xi = x.clone()
+    xi[0, 0] = float("nan")
+    with pytest.raises(NVFP4InputError, match="NaN"):
+        moe_w4a4(xi, ids, tw, weights)
