@@ -57,12 +57,18 @@ def _dynamic_selection(
     x0, x1, v0, v1, s_dec, blocks, n_sel, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
 ):
     """bool [BLOCK_M, BLOCK_K/16]: blocks whose residual amax is >= the row's n_sel-th largest
-    (quads_megatron.w4a4.dynamic_block_mask). The threshold is found by bisection on the fp32 bit
-    patterns (monotonic for non-negative floats): the largest t with count(score >= t) >= n_sel."""
+    (quads_megatron.w4a4.dynamic_block_mask), i.e. blocks with fewer than n_sel strictly larger.
+
+    Up to 128 blocks per row: that rank by one all-pairs count. Beyond: the threshold by bisection
+    on the fp32 bit patterns (monotonic for non-negative floats): the largest t with
+    count(score >= t) >= n_sel (31 row reductions, but no NB x NB tile in registers)."""
     NB: tl.constexpr = BLOCK_K // 16
     r = tl.maximum(tl.abs(x0 - v0 * s_dec[:, None]), tl.abs(x1 - v1 * s_dec[:, None]))
     score = tl.max(tl.reshape(r, (BLOCK_M, NB, 8)), axis=2)
     score = tl.where(blocks[None, :] < K // 16, score, -1.0)  # padding blocks never count
+    if NB <= 128:
+        larger = tl.sum((score[:, None, :] > score[:, :, None]).to(tl.int32), axis=2)
+        return larger < n_sel
     bits = score.to(tl.int32, bitcast=True)
     lo = tl.zeros((BLOCK_M,), tl.int32)
     hi = tl.full((BLOCK_M,), 0x7F800000, tl.int32)

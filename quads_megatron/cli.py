@@ -15,6 +15,7 @@ def _convert(args: argparse.Namespace) -> int:
         ConvertOptions,
         convert_hf,
         convert_megatron_dist,
+        quads_extras,
         verify_conversion,
     )
 
@@ -25,7 +26,18 @@ def _convert(args: argparse.Namespace) -> int:
                 input_amax = {k: float(v) for k, v in json.load(f).items()}
         else:
             input_amax = {k: float(v.float().max()) for k, v in load_file(args.input_amax).items()}
+    try:
+        quads = {}
+        if args.quads_config or args.rac_plans:
+            from quads_megatron.config import load_config
+
+            rollout = load_config(args.quads_config).to_dict()["rollout"] if args.quads_config else None
+            quads = quads_extras(rollout, args.rac_plans)
+    except (ConvertError, ValueError) as e:
+        print(f"quads convert: error: {e}", file=sys.stderr)
+        return 2
     opts = ConvertOptions(
+        quads=quads,
         include_shared_experts=args.include_shared_experts,
         exclude=tuple(args.exclude),
         input_amax=input_amax,
@@ -39,7 +51,9 @@ def _convert(args: argparse.Namespace) -> int:
             print(f"verified {n} tensors of {args.dst} against {args.src}")
             return 0
         if args.megatron_base_hf:
-            summary = convert_megatron_dist(args.src, args.dst, args.megatron_base_hf, opts)
+            summary = convert_megatron_dist(
+                args.src, args.dst, args.megatron_base_hf, opts, non_expert=args.non_expert_from
+            )
             print(
                 f"converted {summary['quantized_modules']} expert linears of {summary['layers']} layers -> {args.dst}"
             )
@@ -79,7 +93,20 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument(
         "--megatron-base-hf",
         metavar="HF_DIR",
-        help="SRC is a Megatron-Core dist checkpoint; experts come from it, everything else from HF_DIR",
+        help="SRC is a Megatron-Core dist checkpoint; HF_DIR (same model) gives config, tokenizer and names",
+    )
+    c.add_argument(
+        "--non-expert-from",
+        choices=("megatron", "hf"),
+        default="megatron",
+        help="with --megatron-base-hf: map attention/norm/embedding weights from SRC (Qwen2/3-MoE family; "
+        "default) or copy them from HF_DIR",
+    )
+    c.add_argument("--quads-config", metavar="YAML", help="embed this QUADS config's rollout settings")
+    c.add_argument(
+        "--rac-plans",
+        metavar="FILE",
+        help="embed calibrated RAC plans (safetensors: <moe prefix>.w13 / .w2 -> int64 block indices)",
     )
     c.set_defaults(func=_convert)
     try:

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from quads_megatron import __version__, nvfp4
 
@@ -57,6 +57,9 @@ class ConvertOptions:
     overwrite: bool = False
     verify: bool = False
     progress: bool = True
+    # QUADS rollout extras written into the quantization configs (read by the SGLang quads_nvfp4
+    # method, ignored by stock ModelOpt loaders): {"rollout": {...}, "rac_plans": {prefix: {w13, w2}}}
+    quads: dict = field(default_factory=dict)
 
     def fingerprint(self) -> str:
         """Hash of the options that shape the output (resuming needs the same ones)."""
@@ -239,7 +242,7 @@ def convert_hf(src: str, dst: str, opts: ConvertOptions | None = None) -> dict[s
     with open(os.path.join(partial, INDEX), "w") as f:
         json.dump({"metadata": {"total_size": bytes_out}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
     exclude = sorted(_excluded_linears(names, targets))
-    _write_quant_configs(src, partial, exclude)
+    _write_quant_configs(src, partial, exclude, opts.quads)
     _copy_side_files(src, partial)
     if opts.verify:
         verify_conversion(src, partial, opts)
@@ -298,7 +301,7 @@ def _excluded_linears(names: list[str], targets: dict[str, tuple[str, str]]) -> 
     return {n[: -len(".weight")] for n in names if n.endswith(".weight") and n not in targets}
 
 
-def _write_quant_configs(src: str, dst: str, exclude: list[str]) -> None:
+def _write_quant_configs(src: str, dst: str, exclude: list[str], quads: dict | None = None) -> None:
     producer = {"name": "quads_megatron", "version": __version__}
     hf_quant = {
         "producer": producer,
@@ -309,6 +312,8 @@ def _write_quant_configs(src: str, dst: str, exclude: list[str]) -> None:
             "exclude_modules": exclude,
         },
     }
+    if quads:
+        hf_quant["quads"] = quads
     with open(os.path.join(dst, "hf_quant_config.json"), "w") as f:
         json.dump(hf_quant, f, indent=1)
     cfg_path = os.path.join(src, "config.json")
@@ -324,8 +329,36 @@ def _write_quant_configs(src: str, dst: str, exclude: list[str]) -> None:
         "ignore": exclude,
         "producer": producer,
     }
+    if quads:
+        config["quantization_config"]["quads"] = quads
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
+
+
+def quads_extras(rollout: dict | None = None, rac_plans_file: str | None = None) -> dict:
+    """The ``quads`` block of the quantization configs: rollout settings (validated like the trainer's
+    YAML) and RAC plans from a safetensors file of int64 block indices named ``<moe prefix>.w13`` /
+    ``<moe prefix>.w2`` (e.g. ``model.layers.0.mlp.experts.w13``; see w4a4.RACCalibrator)."""
+    from quads_megatron.config import QuadsConfigError, load_config
+
+    out: dict = {}
+    if rollout:
+        try:
+            out["rollout"] = load_config({"rollout": rollout}).to_dict()["rollout"]
+        except QuadsConfigError as e:
+            raise ConvertError(f"quads rollout settings: {e}") from e
+    if rac_plans_file:
+        plans: dict[str, dict[str, list[int]]] = {}
+        for name, t in load_file(rac_plans_file).items():
+            prefix, _, gemm = name.rpartition(".")
+            if gemm not in ("w13", "w2") or t.dim() != 1 or t.is_floating_point():
+                raise ConvertError(f"{rac_plans_file}: {name} is not an int block list named <moe prefix>.w13|w2")
+            plans.setdefault(prefix, {})[gemm] = sorted(int(i) for i in t.tolist())
+        incomplete = sorted(p for p, g in plans.items() if set(g) != {"w13", "w2"})
+        if incomplete:
+            raise ConvertError(f"{rac_plans_file}: layers without both w13 and w2 plans: {incomplete[:4]}")
+        out["rac_plans"] = plans
+    return out
 
 
 def _copy_side_files(src: str, dst: str) -> None:
@@ -380,6 +413,7 @@ def verify_conversion(src: str, out: str, opts: ConvertOptions | None = None) ->
 
 
 _MCORE_DIST = re.compile(r"^(?P<pre>.*?)layers\.(?P<layer>\d+)\.mlp\.experts\.experts\.linear_(?P<fc>fc1|fc2)\.weight$")
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 def convert_megatron_dist(
@@ -389,61 +423,68 @@ def convert_megatron_dist(
     opts: ConvertOptions | None = None,
     hf_prefix: str = "model.layers",
     layer_offset: int = 0,
+    non_expert: str = "megatron",
 ) -> dict[str, object]:
     """Megatron-Core distributed checkpoint (torch_dist) -> NVFP4 ModelOpt layout at dst.
 
-    Routed experts come from src: Megatron stores each layer's experts as global [E, N, K] tensors
-    (``...mlp.experts.experts.linear_fc1.weight``), the same for any EP layout, so EP=1 and EP=N
-    checkpoints convert to identical bytes. They are read one layer at a time and converted with
-    megatron_expert_tensors (fc1 = gate|up with one shared amax). Everything else (non-expert
-    weights, config.json, tokenizer) is copied from base_hf, an HF checkpoint of the same model:
-    mapping Megatron attention/embedding names to HF is model-specific and not done here, so pass
-    an HF export of the same step if those weights were trained too. Atomic like convert_hf.
+    Routed experts come from src, global [E, N, K] per layer (layer-stacked or per-layer keys, see
+    quads_megatron.megatron_dist), the same for any EP/TP/PP layout, so EP=1 and EP=N checkpoints
+    convert to identical bytes; read one layer at a time and converted with megatron_expert_tensors
+    (fc1 = gate|up with one shared amax). Non-expert weights: non_expert='megatron' maps them from
+    src (quads_megatron.hf_mapping, Qwen2/Qwen3-MoE family; cast to base_hf's dtypes), 'hf' copies
+    them from base_hf. base_hf (the HF checkpoint of the same model) always provides config.json,
+    the tokenizer, and the names and shapes every output tensor is checked against. Atomic and
+    resumable like convert_hf.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from quads_megatron.hf_mapping import AttentionShape, MappingError, megatron_to_hf
+    from quads_megatron.megatron_dist import DistCheckpoint, DistCheckpointError
 
     opts = opts or ConvertOptions()
+    if non_expert not in ("megatron", "hf"):
+        raise ConvertError(f"non_expert must be 'megatron' or 'hf', got {non_expert!r}")
     t0 = time.time()
     if os.path.exists(dst) and not opts.overwrite:
         raise ConvertError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
     try:
-        reader = FileSystemReader(src)
-        meta = reader.read_metadata().state_dict_metadata
-    except Exception as e:
-        raise ConvertError(f"{src}: not a readable torch_dist (Megatron dist_checkpointing) checkpoint ({e})") from e
-    experts = {k: m for k, m in meta.items() if _MCORE_DIST.match(k) and isinstance(m, TensorStorageMetadata)}
+        ckpt = DistCheckpoint(src)
+    except DistCheckpointError as e:
+        raise ConvertError(str(e)) from e
+    experts: dict[tuple[str, int], dict[str, object]] = {}
+    others = []
+    for t in ckpt.layer_tensors():
+        m = _MCORE_DIST.match(t.name)
+        if m is not None:
+            experts.setdefault((m["pre"], int(m["layer"])), {})[m["fc"]] = t
+        elif not t.name.endswith("_extra_state"):
+            others.append(t)
     if not experts:
-        sample = sorted(k for k in meta if ".experts." in k)[:3]
+        sample = sorted(k for k in ckpt.tensors if ".experts." in k)[:3]
         raise ConvertError(
-            f"{src}: no global expert tensors '...mlp.experts.experts.linear_fc1.weight' [E, N, K] found "
+            f"{src}: no global expert tensors '...layers[.N].mlp.experts.experts.linear_fc1.weight' found "
             f"(unknown layout; expert keys seen: {sample or 'none'})"
         )
-    for k, m in experts.items():
-        if len(m.size) != 3:
-            raise ConvertError(f"{src}: {k} has shape {tuple(m.size)}, expected [E, N, K]")
+    for (_, layer), fcs in experts.items():
+        for fc in ("fc1", "fc2"):
+            if fc not in fcs:
+                raise ConvertError(f"{src}: layer {layer} has no linear_{fc} experts (half-written checkpoint?)")
+            t = fcs[fc]
+            shape = ckpt.shape(t.key)[0 if t.layer is None else 1 :]
+            if len(shape) != 3:
+                raise ConvertError(f"{src}: {t.key} has shape {ckpt.shape(t.key)}, expected [(L,) E, N, K]")
     base_shards = _shards(base_hf)
     base_names = {n: shard for shard, keys in base_shards.items() for n in keys}
     handles: dict[str, object] = {}
 
-    def base_shape(name: str) -> list[int]:
+    def base_slice(name: str):
         shard = base_names[name]
         if shard not in handles:
             handles[shard] = safe_open(os.path.join(base_hf, shard), "pt")
-        return list(handles[shard].get_slice(name).get_shape())  # type: ignore[attr-defined]
-
-    layers = sorted({(_MCORE_DIST.match(k)["pre"], int(_MCORE_DIST.match(k)["layer"])) for k in experts})
+        return handles[shard].get_slice(name)  # type: ignore[attr-defined]
 
     def convert_layer(pre: str, layer: int) -> dict[str, torch.Tensor]:
         named = []
         for fc in ("fc1", "fc2"):
-            key = f"{pre}layers.{layer}.mlp.experts.experts.linear_{fc}.weight"
-            if key not in experts:
-                raise ConvertError(f"{src}: {key} is missing (half-written checkpoint?)")
-            m = experts[key]
-            t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-            dcp_load({key: t}, storage_reader=reader, no_dist=True)
+            t = ckpt.read(experts[(pre, layer)][fc])
             named += [
                 (f"{pre}layers.{layer}.mlp.experts.local_experts.{e}.linear_{fc}.weight", t[e]) for e in range(len(t))
             ]
@@ -453,9 +494,43 @@ def convert_megatron_dist(
                 continue
             if name not in base_names:
                 raise ConvertError(f"{name}: converted from {src} but absent from {base_hf} (different model?)")
-            shape = base_shape(name)
+            shape = list(base_slice(name).get_shape())
             if shape != [t.shape[0], t.shape[1] * 2]:
                 raise ConvertError(f"{name}: {src} gives [N, K]={[t.shape[0], t.shape[1] * 2]}, {base_hf} has {shape}")
+        return out
+
+    attn = None  # needed only to split a fused QKV weight
+    if non_expert == "megatron":
+        with open(os.path.join(base_hf, "config.json")) as f:
+            hf_config = json.load(f)
+        if "num_attention_heads" in hf_config:
+            try:
+                attn = AttentionShape.from_hf_config(hf_config)
+            except MappingError as e:
+                raise ConvertError(f"{base_hf}/config.json: {e}") from e
+    groups: dict[str, list] = {}
+    for t in others:
+        m = re.match(r"^.*?layers\.(\d+)\.", t.name)
+        groups.setdefault(
+            f"model-nonexpert-{int(m[1]):05d}.safetensors" if m else "model-nonexpert-global.safetensors", []
+        ).append(t)
+
+    def map_group(shard: str) -> dict[str, torch.Tensor]:
+        out = {}
+        for t in groups[shard]:
+            try:
+                pairs = megatron_to_hf(t.name, ckpt.read(t), attn, hf_prefix, layer_offset)
+            except MappingError as e:
+                raise ConvertError(
+                    f"{src}: {e}; pass non_expert='hf' (--non-expert-from hf) to take them from {base_hf}"
+                ) from e
+            for name, x in pairs:
+                if name not in base_names:
+                    raise ConvertError(f"{name}: mapped from {src} but absent from {base_hf} (different model?)")
+                sl = base_slice(name)
+                if list(sl.get_shape()) != list(x.shape):
+                    raise ConvertError(f"{name}: {src} gives {list(x.shape)}, {base_hf} has {list(sl.get_shape())}")
+                out[name] = x.to(_ST_DTYPES.get(sl.get_dtype(), x.dtype)).contiguous()
         return out
 
     partial = dst.rstrip("/") + ".partial"
@@ -463,61 +538,73 @@ def convert_megatron_dist(
         "source": _dir_fingerprint(src),
         "base": _source_fingerprint(base_hf, base_shards),
         "options": opts.fingerprint(),
-        "layout": [hf_prefix, layer_offset],
+        "layout": [hf_prefix, layer_offset, non_expert],
         "version": __version__,
     }
     state = _load_state(partial, fingerprint)
     done = state.setdefault("done", {})
     weight_map: dict[str, str] = {}
-    progress = _Progress(len(layers) + len(base_shards), opts.progress)
-    for pre, layer in layers:
-        shard = f"model-experts-{layer:05d}.safetensors"
+    layers = sorted(experts)
+    units = [
+        (f"model-experts-{layer:05d}.safetensors", lambda p=pre, x=layer: convert_layer(p, x)) for pre, layer in layers
+    ]
+    if non_expert == "megatron":
+        units += [(shard, lambda s=shard: map_group(s)) for shard in sorted(groups)]
+    progress = _Progress(len(units) + (len(base_shards) if non_expert == "hf" else 0), opts.progress)
+    for shard, make in units:
         if shard not in done:
-            out = convert_layer(pre, layer)
+            out = make()
             save_file(out, os.path.join(partial, shard), metadata={"format": "pt"})
             done[shard] = sorted(out)
             _save_state(partial, state)
         weight_map.update({k: shard for k in done[shard]})
         progress.step(shard)
-    produced = {k[: -len(".weight")] for k in weight_map if k.endswith(".weight")}
+    experts_out = {k[: -len(".weight")] for s, _ in units[: len(layers)] for k in done[s] if k.endswith(".weight")}
     names = list(base_names)
     targets = {
-        n: (n[: -len(".weight")], "") for n in names if n.endswith(".weight") and n[: -len(".weight")] in produced
+        n: (n[: -len(".weight")], "") for n in names if n.endswith(".weight") and n[: -len(".weight")] in experts_out
     }
-    for shard, keys in base_shards.items():
-        out_shard = f"model-base-{shard}"
-        rest = [k for k in keys if k not in targets]
-        if rest and out_shard not in done:
-            with safe_open(os.path.join(base_hf, shard), "pt") as f:
-                kept = {k: f.get_tensor(k) for k in rest}
-            save_file(kept, os.path.join(partial, out_shard), metadata={"format": "pt"})
-            done[out_shard] = sorted(kept)
-            _save_state(partial, state)
-        weight_map.update({k: out_shard for k in done.get(out_shard, [])})
-        progress.step(shard)
+    if non_expert == "hf":
+        for shard, keys in base_shards.items():
+            out_shard = f"model-base-{shard}"
+            rest = [k for k in keys if k not in targets]
+            if rest and out_shard not in done:
+                with safe_open(os.path.join(base_hf, shard), "pt") as f:
+                    kept = {k: f.get_tensor(k) for k in rest}
+                save_file(kept, os.path.join(partial, out_shard), metadata={"format": "pt"})
+                done[out_shard] = sorted(kept)
+                _save_state(partial, state)
+            weight_map.update({k: out_shard for k in done.get(out_shard, [])})
+            progress.step(shard)
+    missing = sorted(set(base_names) - set(weight_map) - set(targets))
+    if missing:
+        raise ConvertError(
+            f"{src} has no tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''} of {base_hf}; "
+            "pass non_expert='hf' (--non-expert-from hf) to take non-expert weights from the HF checkpoint"
+        )
     with open(os.path.join(partial, INDEX), "w") as f:
         json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
-    _write_quant_configs(base_hf, partial, sorted(_excluded_linears(names, targets)))
+    _write_quant_configs(base_hf, partial, sorted(_excluded_linears(names, targets)), opts.quads)
     _copy_side_files(base_hf, partial)
-    if opts.verify:  # re-read what was written: experts against a fresh conversion, the rest against base
-        for pre, layer in layers:
-            shard = f"model-experts-{layer:05d}.safetensors"
+    if opts.verify:  # re-read what was written against a fresh conversion (or base, for copied tensors)
+        for shard, make in units:
             with safe_open(os.path.join(partial, shard), "pt") as f:
-                for name, want in convert_layer(pre, layer).items():
+                for name, want in make().items():
                     if not torch.equal(f.get_tensor(name).view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)):
                         raise ConvertError(f"verify: {name} in {shard} differs from a fresh conversion of {src}")
-        for shard, keys in base_shards.items():
-            with safe_open(os.path.join(base_hf, shard), "pt") as f:
-                for k in keys:
-                    if k not in targets:
-                        with safe_open(os.path.join(partial, weight_map[k]), "pt") as g:
-                            if not torch.equal(g.get_tensor(k), f.get_tensor(k)):
-                                raise ConvertError(f"verify: {k} differs from {base_hf}")
+        if non_expert == "hf":
+            for shard, keys in base_shards.items():
+                with safe_open(os.path.join(base_hf, shard), "pt") as f:
+                    for k in keys:
+                        if k not in targets:
+                            with safe_open(os.path.join(partial, weight_map[k]), "pt") as g:
+                                if not torch.equal(g.get_tensor(k), f.get_tensor(k)):
+                                    raise ConvertError(f"verify: {k} differs from {base_hf}")
     os.remove(os.path.join(partial, STATE))
     if os.path.exists(dst):
         shutil.rmtree(dst)
     os.rename(partial, dst)
-    return {"quantized_modules": len(produced), "layers": len(layers), "seconds": time.time() - t0}
+    return {"quantized_modules": len(experts_out), "layers": len(layers), "seconds": time.time() - t0}
 
 
 # ----------------------------------------------------------------------------- live sync

@@ -203,3 +203,12 @@ class RACCalibrator:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{k}.{self.metric}": v for k, v in self.stats.items()}
+
+
+def save_rac_plans(path: str, plans: dict[str, RACPlan]) -> None:
+    """Plans as int64 block indices in safetensors (``quads convert --rac-plans``). Name the GEMMs
+    like the serving engine's MoE layers: ``<moe prefix>.w13`` (fc1) and ``<moe prefix>.w2`` (fc2),
+    e.g. ``model.layers.0.mlp.experts.w13``."""
+    from safetensors.torch import save_file
+
+    save_file({name: p.blocks.to(torch.int64).contiguous() for name, p in plans.items()}, path)

@@ -13,9 +13,47 @@ from test_expert_parallel import _port
 from quads_megatron import convert
 from quads_megatron.convert import ConvertError, ConvertOptions
 
+NQ, NKV, HD = 4, 2, 8  # attention of the full-model case: q [32, 32], k/v [16, 32]
 
-def _save_worker(rank: int, world: int, port: int, ckpt: str) -> None:
+
+def full_hf_state() -> dict[str, torch.Tensor]:
+    """hf_moe_state plus every non-expert weight of a Qwen3-MoE layer."""
+    g = torch.Generator().manual_seed(7)
+    sd = hf_moe_state()
+    for layer in range(L):
+        p = f"model.layers.{layer}"
+        sd[f"{p}.self_attn.k_proj.weight"] = torch.randn(NKV * HD, H, generator=g).bfloat16()
+        sd[f"{p}.self_attn.v_proj.weight"] = torch.randn(NKV * HD, H, generator=g).bfloat16()
+        sd[f"{p}.self_attn.o_proj.weight"] = torch.randn(H, NQ * HD, generator=g).bfloat16()
+        for n, size in (("self_attn.q_norm", HD), ("self_attn.k_norm", HD), ("input_layernorm", H)):
+            sd[f"{p}.{n}.weight"] = (1 + 0.1 * torch.randn(size, generator=g)).bfloat16()
+        sd[f"{p}.post_attention_layernorm.weight"] = (1 + 0.1 * torch.randn(H, generator=g)).bfloat16()
+    sd["model.norm.weight"] = (1 + 0.1 * torch.randn(H, generator=g)).bfloat16()
+    return sd
+
+
+def megatron_non_expert(sd: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
+    """What Megatron-Core's TE GPT layer holds for HF layer `layer` (fused QKV, fused input norm)."""
+    from quads_megatron.hf_mapping import AttentionShape, fuse_qkv
+
+    p, a = f"model.layers.{layer}", AttentionShape(NQ, NKV, HD)
+    qkv = fuse_qkv(*(sd[f"{p}.self_attn.{x}_proj.weight"] for x in "qkv"), a)
+    return {
+        "self_attention.linear_qkv.weight": qkv,
+        "self_attention.linear_qkv.layer_norm_weight": sd[f"{p}.input_layernorm.weight"],
+        "self_attention.linear_proj.weight": sd[f"{p}.self_attn.o_proj.weight"],
+        "self_attention.q_layernorm.weight": sd[f"{p}.self_attn.q_norm.weight"],
+        "self_attention.k_layernorm.weight": sd[f"{p}.self_attn.k_norm.weight"],
+        "pre_mlp_layernorm.weight": sd[f"{p}.post_attention_layernorm.weight"],
+    }
+
+
+def _save_worker(rank: int, world: int, port: int, ckpt: str, stacked: bool = False, full: bool = False) -> None:
+    """Megatron dist checkpoint of L MoE layers: per-layer keys (decoder.layers.N.*) or layer-stacked
+    keys (decoder.layers.*, leading layer axis: what TransformerBlock writes for homogeneous layers)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 
     from quads_megatron.cpu_megatron import (
         build_moe_layer,
@@ -26,7 +64,7 @@ def _save_worker(rank: int, world: int, port: int, ckpt: str) -> None:
 
     install_cpu_shims_for_megatron()
     init_distributed(rank, world, port=port, ep=world)
-    sd = hf_moe_state()
+    sd = full_hf_state() if full else hf_moe_state()
     local = E // world
     sharded = {}
     for layer_idx in range(L):
@@ -40,7 +78,28 @@ def _save_worker(rank: int, world: int, port: int, ckpt: str) -> None:
                     torch.cat([sd[f"{p}.experts.{g}.gate_proj.weight"], sd[f"{p}.experts.{g}.up_proj.weight"]]).float()
                 )
                 ex.linear_fc2.weight.copy_(sd[f"{p}.experts.{g}.down_proj.weight"].float())
-        sharded.update(layer.sharded_state_dict(prefix=f"decoder.layers.{layer_idx}.mlp."))
+        if stacked:
+            part = layer.sharded_state_dict(
+                prefix=f"decoder.layers.{layer_idx}.mlp.", sharded_offsets=((0, layer_idx, L),)
+            )
+            replace_prefix_for_sharding(part, f"decoder.layers.{layer_idx}.", "decoder.layers.")
+        else:
+            part = layer.sharded_state_dict(prefix=f"decoder.layers.{layer_idx}.mlp.")
+        sharded.update(part)
+        if full:  # non-expert weights, replicated across EP ranks
+            for rest, t in megatron_non_expert(sd, layer_idx).items():
+                key = f"decoder.layers.{rest}" if stacked else f"decoder.layers.{layer_idx}.{rest}"
+                offsets = [(0, layer_idx, L)] if stacked else []
+                sharded[f"{layer_idx}.{rest}"] = ShardedTensor.from_rank_offsets(
+                    key, t.float(), *offsets, replica_id=rank, prepend_axis_num=len(offsets)
+                )
+    if full:
+        for key, hf_name in (
+            ("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+            ("decoder.final_layernorm.weight", "model.norm.weight"),
+            ("output_layer.weight", "lm_head.weight"),
+        ):
+            sharded[key] = ShardedTensor.from_rank_offsets(key, sd[hf_name].float(), replica_id=rank)
     dist_checkpointing.save(sharded, ckpt)
     torch.distributed.destroy_process_group()
 
@@ -58,7 +117,7 @@ def interrupt_second_shard_write(ckpt: str, dst: str, base: str, monkeypatch) ->
 
     monkeypatch.setattr(convert, "save_file", failing_save)
     with pytest.raises(KeyboardInterrupt):
-        convert.convert_megatron_dist(ckpt, dst, base, ConvertOptions(progress=False))
+        convert.convert_megatron_dist(ckpt, dst, base, ConvertOptions(progress=False), non_expert="hf")
     assert not os.path.exists(dst)
     monkeypatch.setattr(
         convert, "save_file", lambda *a, **k: (calls.append(os.path.basename(a[1])), real_save(*a, **k))
@@ -73,10 +132,13 @@ def test_ep1_and_ep2_dist_checkpoints_convert_to_identical_bytes(tmp_path, monke
     for world in (1, 2):
         ckpt = str(tmp_path / f"mcore_ep{world}")
         os.makedirs(ckpt)
-        mp.spawn(_save_worker, args=(world, _port(), ckpt), nprocs=world, join=True)
+        # EP=1 with per-layer keys, EP=2 layer-stacked: both layouts, both EP sizes, one output
+        mp.spawn(_save_worker, args=(world, _port(), ckpt, world == 2), nprocs=world, join=True)
         dst = str(tmp_path / f"nvfp4_ep{world}")
         calls = interrupt_second_shard_write(ckpt, dst, str(base), monkeypatch) if world == 2 else None
-        summary = convert.convert_megatron_dist(ckpt, dst, str(base), ConvertOptions(progress=False, verify=True))
+        summary = convert.convert_megatron_dist(
+            ckpt, dst, str(base), ConvertOptions(progress=False, verify=True), non_expert="hf"
+        )
         if calls is not None:  # resumed: the unfinished shard was redone, the finished one was not
             assert calls[2] == calls[1] and calls.count(calls[0]) == 1
         assert summary["quantized_modules"] == L * E * 3
@@ -92,6 +154,61 @@ def test_ep1_and_ep2_dist_checkpoints_convert_to_identical_bytes(tmp_path, monke
             assert torch.equal(as_bytes(outs[1][k]), as_bytes(hf[k])), k
     cfg = json.loads((tmp_path / "nvfp4_ep2" / "config.json").read_text())
     assert cfg["quantization_config"]["quant_algo"] == "NVFP4"
+
+
+def test_non_expert_weights_are_mapped_from_the_megatron_checkpoint(tmp_path):
+    """A layer-stacked checkpoint with attention, norms, embeddings: everything comes from Megatron
+    (fused QKV split per KV group, fused input norm) and equals the HF-path conversion byte for byte."""
+    pytest.importorskip("psutil")
+    sd = full_hf_state()
+    base = write_hf(tmp_path / "hf", sd)
+    cfg = json.loads((base / "config.json").read_text())
+    cfg.update(num_attention_heads=NQ, num_key_value_heads=NKV, head_dim=HD)
+    (base / "config.json").write_text(json.dumps(cfg))
+    ckpt = tmp_path / "mcore"
+    os.makedirs(ckpt)
+    mp.spawn(_save_worker, args=(1, _port(), str(ckpt), True, True), nprocs=1, join=True)
+    opts = ConvertOptions(progress=False, verify=True)
+    summary = convert.convert_megatron_dist(str(ckpt), str(tmp_path / "out"), str(base), opts)
+    assert summary["layers"] == L and summary["quantized_modules"] == L * E * 3
+    got = read_all(tmp_path / "out")
+    convert.convert_hf(str(base), str(tmp_path / "nvfp4_hf"), ConvertOptions(progress=False))
+    hf = read_all(tmp_path / "nvfp4_hf")
+    assert got.keys() == hf.keys()
+    for k in hf:
+        assert got[k].dtype == hf[k].dtype, k
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), hf[k].reshape(-1).view(torch.uint8)), k
+    # a checkpoint without the attention weights cannot stand in for them: a clear error, no output
+    bare = tmp_path / "mcore_experts_only"
+    os.makedirs(bare)
+    mp.spawn(_save_worker, args=(1, _port(), str(bare), True, False), nprocs=1, join=True)
+    with pytest.raises(ConvertError, match="non-expert-from hf"):
+        convert.convert_megatron_dist(str(bare), str(tmp_path / "out2"), str(base), ConvertOptions(progress=False))
+    assert not os.path.exists(tmp_path / "out2")
+
+
+def test_megatron_names_map_to_hf_and_unknown_ones_are_refused():
+    from quads_megatron.hf_mapping import AttentionShape, MappingError, fuse_qkv, megatron_to_hf, split_qkv
+
+    a = AttentionShape(8, 2, 4)
+    q, k, v = torch.randn(32, 16), torch.randn(8, 16), torch.randn(8, 16)
+    qkv = fuse_qkv(q, k, v, a)
+    assert torch.equal(qkv[:16], q[:16]) and torch.equal(qkv[16:20], k[:4]) and torch.equal(qkv[20:24], v[:4])
+    assert all(torch.equal(x, y) for x, y in zip(split_qkv(qkv, a), (q, k, v), strict=True))
+    out = dict(megatron_to_hf("module.decoder.layers.3.self_attention.linear_qkv.weight", qkv, a, layer_offset=2))
+    assert list(out) == [f"model.layers.5.self_attn.{p}_proj.weight" for p in "qkv"]
+    fc1 = torch.randn(12, 16)
+    out = dict(megatron_to_hf("decoder.layers.0.mlp.shared_experts.linear_fc1.weight", fc1, a))
+    assert torch.equal(out["model.layers.0.mlp.shared_expert.up_proj.weight"], fc1[6:])
+    assert megatron_to_hf("decoder.layers.0.self_attention.linear_proj._extra_state", torch.zeros(1), a) == []
+    with pytest.raises(MappingError, match="routed-expert"):
+        megatron_to_hf("decoder.layers.0.mlp.experts.experts.linear_fc1.weight", fc1, a)
+    with pytest.raises(MappingError, match="no HF"):
+        megatron_to_hf("decoder.layers.0.self_attention.core_attention.sinks", fc1, a)
+    with pytest.raises(MappingError, match="need 48"):
+        split_qkv(torch.randn(40, 16), a)
+    with pytest.raises(MappingError, match="attention sizes"):
+        split_qkv(qkv, None)
 
 
 def test_unknown_layout_and_mismatch_are_refused(tmp_path):

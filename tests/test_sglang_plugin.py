@@ -395,3 +395,40 @@ def test_quantized_dense_layers_and_static_rac_without_plans_are_refused(checkpo
     (static / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(plug.QuadsSglangError, match="no RAC plan"):
         build_model(static)
+
+
+def test_calibrated_rac_plans_travel_from_converter_to_the_server(checkpoints, sglang_runtime, tmp_path):
+    """RACCalibrator -> save_rac_plans -> quads convert --rac-plans --quads-config -> quads_nvfp4 layers."""
+    from quads_megatron import w4a4
+    from quads_megatron.cli import main as cli_main
+    from quads_megatron.config import RACConfig
+
+    cal = w4a4.RACCalibrator()
+    g = torch.Generator().manual_seed(5)
+    for layer in range(LAYERS):
+        for gemm, k in (("w13", H), ("w2", INTER)):
+            x = torch.randn(64, k, generator=g) * torch.exp(torch.randn(k, generator=g))
+            cal.observe(f"model.layers.{layer}.mlp.experts.{gemm}", x)
+    plans = cal.plans(RACConfig(ratio=0.25).num_channels)
+    w4a4.save_rac_plans(str(tmp_path / "plans.safetensors"), plans)
+    (tmp_path / "q.yaml").write_text("rollout:\n  rac: {ratio: 0.25, selection: static}\n")
+    out = tmp_path / "with_plans"
+    rc = cli_main(
+        ["convert", str(checkpoints / "bf16"), str(out), "--quiet", "--rac-plans", str(tmp_path / "plans.safetensors")]
+        + ["--quads-config", str(tmp_path / "q.yaml")]
+    )
+    assert rc == 0
+    assert model_config(out, None).quantization == "quads_nvfp4"  # the checkpoint names its method
+    _, model = build_model(out)
+    for layer in range(LAYERS):
+        rac = experts_of(model, layer).quant_method.rac
+        p = f"model.layers.{layer}.mlp.experts"
+        assert torch.equal(rac.fc1.plan.blocks, plans[f"{p}.w13"].blocks)
+        assert torch.equal(rac.fc2.plan.blocks, plans[f"{p}.w2"].blocks)
+        assert rac.fc1.plan.num_channels == H // 4 and rac.fc1.mask is not None  # device mask made at load
+    bad = tmp_path / "bad.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"model.layers.0.mlp.experts.w13": torch.tensor([0])}, str(bad))
+    assert cli_main(["convert", str(checkpoints / "bf16"), str(tmp_path / "x"), "--rac-plans", str(bad)]) == 2
+    assert not (tmp_path / "x").exists()

@@ -135,10 +135,12 @@ def test_triton_activation_quant_bit_identical(blocks, static, block_k):
 
 @pytest.mark.parametrize("channels", [16, 48, 96, 160])  # 160 > K: every block
 @pytest.mark.parametrize("static", [False, True])
-def test_triton_dynamic_rac_bit_identical(channels, static):
-    x = outlier_activations(33, 96)
+@pytest.mark.parametrize("k, rows", [(96, 33), (4096, 4)])  # all-pairs rank (<= 128 blocks) / bisection
+def test_triton_dynamic_rac_bit_identical(channels, static, k, rows):
+    channels = channels if k == 96 else channels * 16
+    x = outlier_activations(rows, k)
     x[3] = 0
-    x[5, :16] = x[5, 16:32]  # equal residual amaxes: ties resolved by the same rule
+    x[2, :16] = x[2, 16:32]  # equal residual amaxes: ties resolved by the same rule
     amax = torch.tensor(9.0) if static else None
     a = w4a4.quantize_activation(x, None, amax, dynamic_channels=channels)
     b = kg.quantize_activation(x, None, amax, block_m=4, dynamic_channels=channels)
