@@ -3,7 +3,14 @@ with HF names, in buckets ready for an inference engine's update_weights_from_te
 
 Runs on a CPU: builds a real megatron-core MoE layer (4 experts) and prints the buckets. In a
 real job, call megatron_expert_tensors(model.named_parameters(), ep_rank, num_local_experts) on
-every EP rank (after gathering expert-TP shards) and send each bucket.
+every EP rank (after gathering expert-TP shards) and send each bucket to an SGLang server that
+runs the quads_nvfp4 method:
+
+    engine.update_weights_from_tensor(bucket, load_format="quads_megatron.patches.sglang.load_weights")
+
+(the server was launched with --custom-weight-loader quads_megatron.patches.sglang.load_weights).
+Each bucket keeps an expert's gate and up together (they share one global scale), so the server
+can check and apply it on its own.
 """
 
 from quads_megatron import convert
