@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import sys
 
 import torch
@@ -124,6 +125,9 @@ def checks(log) -> dict:
         res["gemm_max_rel_err_over_configs_w4a4"] < 1e-5 and res["gemm_max_rel_err_over_configs_rac25"] < 2e-4
     )
     res["ptx_decode_exact_all_codes_scales"] = kg.check_tile_decode("cuda", use_asm=True)
+    # which MMA Triton chose for the GEMM: versionMajor 3 = Hopper wgmma, 2 = mma.sync
+    kg.grouped_w4a4(kg.activation_operand(xr), offs, wc, wsc, wsd, block_m=64, block_n=128)
+    res["mma_versions"] = sorted(set(re.findall(r"versionMajor = (\d)", kg.last_compiled().asm["ttgir"])))
     for k, v in res.items():
         log(f"check {k}: {v}")
     return res

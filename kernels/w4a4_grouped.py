@@ -548,6 +548,14 @@ def stack_expert_weights(weights: list[NVFP4Tensor]) -> tuple[torch.Tensor, torc
     return codes, scales, sdec
 
 
+_LAST_COMPILED: list = [None]
+
+
+def last_compiled():
+    """The compiled kernel of the latest grouped_w4a4 launch (its .asm['ttgir'] shows the MMA used)."""
+    return _LAST_COMPILED[0]
+
+
 def gemm_config(rows: int, k: int) -> dict[str, int]:
     """Tiles for grouped_w4a4 from the H200 sweep (benchmarks/results/bench_moe_w4a4.md): up to ~4k
     grouped rows the GEMM streams weights (16-row tiles), beyond it is compute bound (128x128)."""
@@ -619,7 +627,7 @@ def grouped_w4a4(
     if use_asm is None:  # PTX decode on a GPU; the interpreter runs the integer-op twin
         use_asm = dev.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
     grid = (triton.cdiv(m, block_m) + e_count, triton.cdiv(n, block_n))
-    _grouped_w4a4_kernel[grid](
+    _LAST_COMPILED[0] = _grouped_w4a4_kernel[grid](
         a,
         a_s,
         r,
