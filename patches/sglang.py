@@ -336,8 +336,11 @@ class QuadsNvfp4MoEMethod(FusedMoEMethodBase):
     def static_amax(self, layer: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.quant_config.rollout.activation_scale != "static":
             return None, None
-        # ModelOpt input_scale = amax / (6 * 448); one static scale per GEMM (max over experts)
-        return layer.w13_input_scale.amax() * 2688.0, layer.w2_input_scale.amax() * 2688.0
+        # one static scale per GEMM: the largest calibrated input_scale over experts
+        return (
+            nvfp4.amax_from_input_scale(layer.w13_input_scale.amax()),
+            nvfp4.amax_from_input_scale(layer.w2_input_scale.amax()),
+        )
 
     def apply(self, layer: torch.nn.Module, dispatch_output):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
@@ -452,6 +455,7 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
     named = _quantized_from_bf16(list(named_tensors))
     _validate_update(named)
     model.load_weights(named)
+    touched = {m["base"].rsplit(".", 1)[0] for m in map(_EXPERT.match, (n for n, _ in named)) if m}
     for mod_name, module in model.named_modules():
-        if isinstance(getattr(module, "quant_method", None), QuadsNvfp4MoEMethod):
+        if mod_name in touched and isinstance(getattr(module, "quant_method", None), QuadsNvfp4MoEMethod):
             check_expert_params(module, mod_name)

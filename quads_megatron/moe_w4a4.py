@@ -179,6 +179,7 @@ def moe_w4a4(
 
 
 def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation, check):
+    del check  # the reference always checks its inputs (it runs off the serving path)
     e = weights.num_experts
 
     def gemm(a, which, g, amax):

@@ -285,3 +285,9 @@ def from_modelopt(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale
 def input_scale_from_amax(act_amax: torch.Tensor) -> torch.Tensor:
     """ModelOpt static ``input_scale`` of a calibrated activation amax: S_dec(amax), fp32."""
     return global_decode_scale(act_amax.float())
+
+
+def amax_from_input_scale(input_scale: torch.Tensor) -> torch.Tensor:
+    """The activation amax a ModelOpt ``input_scale`` (= S_dec = amax / 2688) stands for, fp32. Its
+    S_enc = 2688 / amax equals 1 / input_scale within 1 ulp (what ModelOpt kernels use)."""
+    return input_scale.float() * (E2M1_MAX * E4M3_MAX)

@@ -209,6 +209,11 @@ def test_modelopt_names_are_the_same_numbers():
     mo_dq = (vals * mo["weight_scale"].float().unsqueeze(-1)).reshape(64, 128) * mo["weight_scale_2"]
     assert torch.equal(mo_dq, nvfp4.dequantize(back))
     assert nvfp4.input_scale_from_amax(torch.tensor(2688.0)).item() == 1.0
+    # input_scale -> amax -> S_enc comes back to 1 / input_scale within one ulp
+    a = torch.tensor([1e-3, 0.37, 5.0, 1234.5])
+    s = nvfp4.input_scale_from_amax(a)
+    s_enc = nvfp4.global_encode_scale(nvfp4.amax_from_input_scale(s))
+    assert torch.all((s_enc - 1 / s).abs() <= torch.finfo(torch.float32).eps * (1 / s))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

@@ -293,6 +293,22 @@ def test_moe_forward_through_sglang_equals_reference(checkpoints, loaded):
     assert block.shape == x.shape and torch.isfinite(block.float()).all()
 
 
+def test_static_activation_scale_uses_the_checkpoint_input_scales(checkpoints, loaded, monkeypatch):
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    moe = experts_of(loaded, 0)
+    monkeypatch.setattr(moe.quant_method.quant_config, "rollout", RolloutConfig(activation_scale="static"))
+    with torch.no_grad():
+        moe.w13_input_scale.copy_(torch.linspace(1e-3, 4e-3, moe.w13_input_scale.numel()).view_as(moe.w13_input_scale))
+        moe.w2_input_scale.fill_(2e-3)
+    x, ids, w = routing(seed=5)
+    amax = (nvfp4.amax_from_input_scale(torch.tensor(4e-3)), nvfp4.amax_from_input_scale(torch.tensor(2e-3)))
+    want = moe_w4a4(x, ids, w, moe.quant_method.expert_weights(moe), moe.quant_method.rac, amax, impl="reference")
+    assert torch.equal(moe(x, StandardTopKOutput(w, ids, torch.zeros(x.shape[0], E))), want)
+    dynamic = moe_w4a4(x, ids, w, moe.quant_method.expert_weights(moe), moe.quant_method.rac, impl="reference")
+    assert not torch.equal(want, dynamic)
+
+
 # ----------------------------------------------------------------------------- live weight sync
 
 
