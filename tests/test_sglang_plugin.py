@@ -160,6 +160,10 @@ def expected_experts(tensors, layer) -> ExpertWeights:
     )
 
 
+def experts_of(model, layer):
+    return model.model.layers[layer].mlp.experts
+
+
 # ----------------------------------------------------------------------------- registration and config
 
 
@@ -233,6 +237,19 @@ def test_config_parsing_and_errors(tmp_path, monkeypatch):
         plug.QuadsNvfp4Config.from_config(bad_plan).layer_rac("model.layers.0.mlp.experts", H, INTER)
 
 
+def test_legacy_hf_quant_config_only_checkpoint_loads(checkpoints, sglang_runtime, tmp_path):
+    """ModelOpt's older layout: no quantization_config in config.json, only hf_quant_config.json."""
+    legacy = tmp_path / "legacy"
+    shutil.copytree(checkpoints / "nvfp4", legacy)
+    cfg = json.loads((legacy / "config.json").read_text())
+    del cfg["quantization_config"]
+    (legacy / "config.json").write_text(json.dumps(cfg))
+    mc, model = build_model(legacy)
+    assert mc.quantization == "quads_nvfp4"
+    assert isinstance(experts_of(model, 0).quant_method, plug.QuadsNvfp4MoEMethod)
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16  # excluded: stays BF16
+
+
 def test_model_config_selects_the_method(checkpoints, sglang_runtime, tmp_path):
     assert model_config(checkpoints / "nvfp4", "quads_nvfp4").quantization == "quads_nvfp4"
     assert model_config(checkpoints / "nvfp4", None).quantization == "modelopt_fp4"  # stock behaviour intact
@@ -252,10 +269,6 @@ def test_model_config_selects_the_method(checkpoints, sglang_runtime, tmp_path):
 def loaded(checkpoints, sglang_runtime):
     _, model = build_model(checkpoints / "nvfp4")
     return model
-
-
-def experts_of(model, layer):
-    return model.model.layers[layer].mlp.experts
 
 
 def test_checkpoint_loads_bit_for_bit_into_sglang(checkpoints, loaded):
