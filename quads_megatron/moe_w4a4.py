@@ -171,6 +171,8 @@ def moe_w4a4(
         impl = "triton" if x.is_cuda else "reference"
     if impl not in ("reference", "triton"):
         raise NVFP4InputError(f"impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+    if x.shape[0] == 0:  # idle batch (e.g. data-parallel attention ranks without tokens)
+        return torch.empty_like(x)
     order, offs, valid = route(topk_ids, weights.num_experts)
     tokens = order // topk_ids.shape[1]
     run = _experts_triton if impl == "triton" else _experts_reference

@@ -91,6 +91,14 @@ def test_rac_brings_the_moe_block_closer_to_the_trainer():
     assert gap["dynamic"] < gap["plain"] and gap["static"] < gap["plain"]
 
 
+def test_empty_batch():
+    weights, _, _ = experts()
+    x = torch.zeros(0, H, dtype=torch.bfloat16)
+    ids, tw = torch.zeros(0, TOPK, dtype=torch.long), torch.zeros(0, TOPK)
+    for impl in ("reference", "triton"):
+        assert moe_w4a4(x, ids, tw, weights, RACS["dynamic"], impl=impl).shape == (0, H)
+
+
 def test_routing_and_bad_inputs():
     order, offs, valid = route(torch.tensor([[1, 0], [1, -1]]), 2)
     assert offs.tolist() == [1, 3] and order.tolist()[:3] == [1, 0, 2] and valid.tolist() == [True, True, True, False]
