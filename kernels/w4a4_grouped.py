@@ -289,8 +289,10 @@ def _launch_act_quant(x, plan, static_amax, block_m, block_k, check, num_warps, 
         block_k = triton.next_power_of_2(k) if k <= 4096 or n_sel else 512
     if n_sel and block_k < k:
         raise NVFP4InputError(f"dynamic RAC selects per row: block_k={block_k} must cover K={k}")
-    if block_m is None:
-        block_m = 1 if m <= 8192 else 4
+    if block_m is None:  # H200 sweep (benchmarks/probe_act_quant_tiles.py)
+        block_m = 1
+    if num_warps is None:
+        num_warps = 4 if (n_sel or plan is not None) else 2
     dev = x.device
     has_res = n_sel > 0 or (plan is not None and plan.blocks.numel() > 0)
     sdec = torch.empty((m,), dtype=torch.float32, device=dev)
@@ -348,14 +350,14 @@ def quantize_activation(
     block_m: int | None = None,
     block_k: int | None = None,
     check: bool = True,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     block_mask: torch.Tensor | None = None,
     dynamic_channels: int = 0,
 ) -> QuantizedActivation:
     """Triton twin of quads_megatron.w4a4.quantize_activation (same bits, static plan or dynamic per-token RAC).
 
-    Defaults: the whole row in registers when K <= 4096 (one read of x), 1 row per program for
-    small M (parallelism) and 4 for large M. block_mask: the plan's int8 [K/16] mask already on
+    Defaults: the whole row in registers when K <= 4096 (one read of x), one row per program, 2
+    warps (4 with a residual): the H200 sweep's best at every M. block_mask: the plan's int8 [K/16] mask already on
     the device (avoids a host-to-device copy, e.g. inside CUDA-graph capture). dynamic_channels:
     per-token RAC selection (w4a4.dynamic_block_mask), which needs the whole row per program.
     """
@@ -371,7 +373,7 @@ def activation_operand(
     block_m: int | None = None,
     block_k: int | None = None,
     check: bool = True,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     block_mask: torch.Tensor | None = None,
     dynamic_channels: int = 0,
 ) -> ActivationOperand:

@@ -23,6 +23,9 @@ _STACKED = re.compile(r"^(?P<pre>.*?)layers\.(?P<rest>[A-Za-z_].*)$")
 _PER_LAYER = re.compile(r"^(?P<pre>.*?)layers\.(?P<layer>\d+)\.(?P<rest>.+)$")
 
 
+OPTIMIZER_PREFIX = "optimizer."  # distributed optimizer state (exp_avg, fp32 master params, ...)
+
+
 class DistCheckpointError(ValueError):
     """Not a readable torch_dist checkpoint, or a tensor missing from it."""
 
@@ -55,9 +58,12 @@ class DistCheckpoint:
         return tuple(self.tensors[key].size)
 
     def layer_tensors(self) -> list[LayerTensor]:
-        """Every tensor, with stacked keys expanded to one entry per layer."""
+        """Every model tensor (optimizer state, ``optimizer.*``, is skipped), stacked keys expanded to
+        one entry per layer."""
         out = []
         for key, m in self.tensors.items():
+            if key.startswith(OPTIMIZER_PREFIX):
+                continue
             s = _STACKED.match(key)
             if s is not None and not _PER_LAYER.match(key):
                 for layer in range(m.size[0]):

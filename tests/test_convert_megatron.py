@@ -100,6 +100,11 @@ def _save_worker(rank: int, world: int, port: int, ckpt: str, stacked: bool = Fa
             ("output_layer.weight", "lm_head.weight"),
         ):
             sharded[key] = ShardedTensor.from_rank_offsets(key, sd[hf_name].float(), replica_id=rank)
+        # optimizer state lives in the same checkpoint under optimizer.*; the converter must skip it
+        for key in ("optimizer.state.exp_avg.embedding.word_embeddings.weight",):
+            sharded[key] = ShardedTensor.from_rank_offsets(key, torch.randn(50, H), replica_id=rank)
+        key = "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight"
+        sharded[key] = ShardedTensor.from_rank_offsets(key, torch.randn(L, E, 2 * F, H), replica_id=rank)
     dist_checkpointing.save(sharded, ckpt)
     torch.distributed.destroy_process_group()
 
