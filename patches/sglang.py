@@ -344,9 +344,16 @@ class QuadsNvfp4MoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer: torch.nn.Module, dispatch_output):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+        from sglang.srt.layers.moe.topk import TopKOutputFormat
 
-        topk_weights, topk_ids = dispatch_output.topk_output[:2]
+        topk = dispatch_output.topk_output
         x = dispatch_output.hidden_states
+        if topk.format != TopKOutputFormat.STANDARD or x.dtype not in (torch.bfloat16, torch.float16):
+            raise QuadsSglangError(
+                f"{self.prefix}: quads_nvfp4 takes BF16/FP16 hidden states with standard top-k output; got "
+                f"{x.dtype} and {topk.format.name} (drop --moe-runner-backend / FP8 dispatch options)"
+            )
+        topk_weights, topk_ids = topk[:2]
         out = moe_w4a4(
             x,
             topk_ids,

@@ -304,6 +304,8 @@ def test_moe_forward_through_sglang_equals_reference(checkpoints, loaded):
     assert torch.equal(got, want)
     block = loaded.model.layers[1].mlp(x)  # router + top-k + experts, SGLang's own block
     assert block.shape == x.shape and torch.isfinite(block.float()).all()
+    with pytest.raises(plug.QuadsSglangError, match="BF16/FP16 hidden states"):
+        moe(x.float(), StandardTopKOutput(w, ids, torch.zeros(x.shape[0], E)))
 
 
 def test_static_activation_scale_uses_the_checkpoint_input_scales(checkpoints, loaded, monkeypatch):
