@@ -6,7 +6,8 @@ Megatron writes a TransformerBlock in one of two layouts (TransformerBlock.shard
   [L, E, 2F, H];
 * per layer (non_homogeneous_layers, e.g. moe_layer_freq > 1): ``decoder.layers.<N>.<rest>``,
   e.g. [E, 2F, H].
-Both store global tensors, whatever the EP/TP/PP layout of the run that wrote them. One layer of
+Both store global tensors, whatever the EP/TP/PP layout of the run that wrote them (Megatron-LM
+writes the stacked one: homogeneous layers, singleton_local_shards=False). One layer of
 a stacked tensor is read on its own (only the chunks that overlap it), so memory stays at about
 one layer.
 """
