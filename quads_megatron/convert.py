@@ -629,7 +629,7 @@ def megatron_expert_tensors(
     fc1 [2F, H] (gate | up, GLU) is quantized as one tensor (its amax is the shared gate/up
     amax) and split by rows into gate_proj / up_proj; fc2 -> down_proj. Global expert index =
     ep_rank * num_local_experts + local index. Non-expert params are skipped (send them as BF16).
-    Expert-TP shards must be gathered by the caller first (full [2F, H] / [H, F] per expert).
+    With expert TP > 1, pass the params through gather_expert_tp first (full [2F, H] / [H, F]).
     """
     input_amax = input_amax or {}
     for name, w in named_params:
@@ -651,6 +651,33 @@ def megatron_expert_tensors(
             # own storage per tensor: receivers (and safetensors) must not see gate/up aliasing
             part = nvfp4.NVFP4Tensor(q.codes[rows].clone(), q.block_scales[rows].clone(), q.global_decode.clone())
             yield from modelopt_tensors(f"{base}.{proj}", part, input_amax.get(f"{base}.{proj}")).items()
+
+
+def gather_expert_tp(
+    named_params: Iterable[tuple[str, torch.Tensor]], group: object = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Expert-tensor-parallel shards -> full per-expert weights, for megatron_expert_tensors.
+
+    Megatron's fc1 shard on ETP rank r is [gate_r; up_r] (F/ETP rows each; see megatron-core's
+    apply_swiglu_sharded_factory), fc2 is columns r of [H, F]. Collective over ``group`` (the
+    expert-TP group): every rank passes the same names in the same order. Other params and a
+    group of one pass through unchanged.
+    """
+    size = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
+    for name, t in named_params:
+        m = _MCORE_SEQ.match(name) or _MCORE_TE.match(name)
+        if m is None or size == 1:
+            yield name, t
+            continue
+        parts = [torch.empty_like(t) for _ in range(size)]
+        torch.distributed.all_gather(parts, t.contiguous(), group=group)
+        if m["fc"] == "fc1":
+            if t.shape[0] % 2:
+                raise ConvertError(f"{name}: expert-TP fc1 shard has an odd row count {t.shape[0]}")
+            halves = [p.chunk(2, dim=0) for p in parts]
+            yield name, torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        else:
+            yield name, torch.cat(parts, dim=1)
 
 
 _GATE_UP_UNIT = re.compile(r"^(?P<base>.*\.experts\.\d+)\.(?:gate_proj|up_proj|w1|w3)\.")

@@ -219,3 +219,41 @@ def test_live_sync_from_ep_ranks_equals_offline_converter(tmp_path, grouped):
                 if live[k].dtype != torch.float32
                 else torch.equal(live[k], offline[k])
             ), k
+
+
+def _etp_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    sd = hf_moe_state()
+    full = dict(megatron_named_params(sd))
+    f = F // world
+    local = []
+    for name, t in full.items():  # Megatron's expert-TP shards: fc1 = [gate_r; up_r], fc2 = columns r
+        if name.endswith("linear_fc1.weight"):
+            gate, up = t.chunk(2)
+            t = torch.cat([gate[rank * f : (rank + 1) * f], up[rank * f : (rank + 1) * f]])
+        elif name.endswith("linear_fc2.weight"):
+            t = t[:, rank * f : (rank + 1) * f]
+        local.append((name, t.contiguous()))
+    gathered = dict(convert.gather_expert_tp(local))
+    torch.save({"gathered": gathered, "full": full}, f"{out}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_expert_tp_shards_gather_to_the_full_experts(tmp_path):
+    import torch.multiprocessing as mp
+    from test_expert_parallel import _port
+
+    mp.spawn(_etp_worker, args=(2, _port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["gathered"].keys() == got["full"].keys()
+        for name, t in got["full"].items():
+            assert torch.equal(got["gathered"][name], t), name
+        live = dict(convert.megatron_expert_tensors(got["gathered"].items(), 0, E))
+        want = dict(convert.megatron_expert_tensors(got["full"].items(), 0, E))
+        assert live.keys() == want.keys()
+        for k in want:
+            assert torch.equal(live[k].view(-1).view(torch.uint8), want[k].view(-1).view(torch.uint8)), k
+    t = torch.ones(2)
+    assert list(convert.gather_expert_tp([("decoder.layers.0.x", t)])) == [("decoder.layers.0.x", t)]  # no group
