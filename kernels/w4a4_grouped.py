@@ -1,7 +1,8 @@
 """Hopper W4A4 NVFP4 MoE kernels (Triton): fused activation+residual quantization and a grouped GEMM.
 
-* quantize_activation: x [M, K] -> per-token NVFP4 codes/scales, S_dec [M, 1], and (RAC) the
-  dense residual codes/scales, bit-identical to quads_megatron.w4a4.quantize_activation.
+* quantize_activation: x [M, K] -> per-token NVFP4 codes/scales, S_dec [M, 1], and (RAC, static
+  plan or dynamic per-token selection) the dense residual codes/scales, bit-identical to
+  quads_megatron.w4a4.quantize_activation; activation_operand emits the decoded GEMM operand.
 * grouped_w4a4: y[rows of expert e] = S_dec_x * S_dec_w[e] * ([A | R_S] @ [W_e | W_e,S]^T).
   FP4 codes are decoded in registers to fp16 by bit operations (PTX on the GPU; value * E4M3
   scale * 2^-7 is exact in fp16), products run on the fp16 tensor cores, sums accumulate in fp32.
@@ -357,9 +358,10 @@ def quantize_activation(
     """Triton twin of quads_megatron.w4a4.quantize_activation (same bits, static plan or dynamic per-token RAC).
 
     Defaults: the whole row in registers when K <= 4096 (one read of x), one row per program, 2
-    warps (4 with a residual): the H200 sweep's best at every M. block_mask: the plan's int8 [K/16] mask already on
-    the device (avoids a host-to-device copy, e.g. inside CUDA-graph capture). dynamic_channels:
-    per-token RAC selection (w4a4.dynamic_block_mask), which needs the whole row per program.
+    warps (4 with a residual): the H200 sweep's best at every M. block_mask: the plan's int8
+    [K/16] mask already on the device (avoids a host-to-device copy, e.g. inside CUDA-graph
+    capture). dynamic_channels: per-token RAC selection (w4a4.dynamic_block_mask), which needs the
+    whole row per program.
     """
     return _launch_act_quant(
         x, plan, static_amax, block_m, block_k, check, num_warps, block_mask, False, dynamic_channels
