@@ -26,7 +26,7 @@ from quads_megatron.kernels.nvfp4_quant import FP32_MAX, nvfp4_block_encode
 
 from quads_megatron import nvfp4
 from quads_megatron.nvfp4 import NVFP4InputError, NVFP4Tensor
-from quads_megatron.w4a4 import QuantizedActivation, RACPlan
+from quads_megatron.w4a4 import QuantizedActivation, RACPlan, check_rac_selection
 
 
 @triton.jit
@@ -277,12 +277,7 @@ def _launch_act_quant(x, plan, static_amax, block_m, block_k, check, num_warps, 
     if x.dim() != 2:
         raise NVFP4InputError(f"activation must be [M, K], got {tuple(x.shape)}")
     m, k = x.shape
-    if plan is not None and plan.k != k:
-        raise NVFP4InputError(f"RAC plan is for K={plan.k}, activation has K={k}")
-    if plan is not None and dynamic_channels:
-        raise NVFP4InputError("use either a static RAC plan or dynamic_channels, not both")
-    if dynamic_channels % 16:
-        raise NVFP4InputError(f"dynamic RAC channels {dynamic_channels} is not a multiple of 16")
+    check_rac_selection(k, plan, dynamic_channels)
     n_sel = min(dynamic_channels, k) // 16
     if x.stride(-1) != 1:
         x = x.contiguous()

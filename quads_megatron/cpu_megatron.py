@@ -14,7 +14,8 @@ import socket
 import torch
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (rendezvous of a local process group)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -75,7 +76,7 @@ def init_distributed(
         if port is None and world_size > 1:
             raise ValueError("init_distributed: pass the shared rendezvous port when world_size > 1")
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port if port is not None else _free_port())
+        os.environ["MASTER_PORT"] = str(port if port is not None else free_port())
         torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -94,10 +94,7 @@ class GemmRAC:
         return GemmRAC(self.plan, 0, self.plan.block_mask(device).to(torch.int8))
 
     def __post_init__(self) -> None:
-        if self.plan is not None and self.dynamic_channels:
-            raise NVFP4InputError("RAC: use either a static plan or dynamic channels, not both")
-        if self.dynamic_channels % BLOCK_SIZE:
-            raise NVFP4InputError(f"RAC: dynamic channels {self.dynamic_channels} is not a multiple of {BLOCK_SIZE}")
+        w4a4.check_rac_selection(self.plan.k if self.plan is not None else 0, self.plan, self.dynamic_channels)
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,17 @@ def residual_block_scores(x: torch.Tensor, static_amax: torch.Tensor | None = No
     return r.reshape(x.shape[0], -1, BLOCK_SIZE).square().sum(-1)
 
 
+def check_rac_selection(k: int, plan: RACPlan | None = None, dynamic_channels: int = 0) -> None:
+    """Refuse a RAC selection that cannot apply to activations of inner size k (reference, kernels
+    and RAC configs share these rules and messages)."""
+    if plan is not None and dynamic_channels:
+        raise NVFP4InputError("use either a static RAC plan or dynamic_channels, not both")
+    if plan is not None and plan.k != k:
+        raise NVFP4InputError(f"RAC plan is for K={plan.k}, activation has K={k}")
+    if dynamic_channels % BLOCK_SIZE:
+        raise NVFP4InputError(f"dynamic RAC channels {dynamic_channels} is not a multiple of {BLOCK_SIZE}")
+
+
 def dynamic_block_mask(residual: torch.Tensor, channels: int) -> torch.Tensor:
     """Per-token RAC selection: bool [M, K/16] from the residual [M, K/16, 16] (fp32).
 
@@ -110,14 +121,9 @@ def quantize_activation(
     nvfp4.check_quantizable(x, "activation")
     if x.dim() != 2:
         raise NVFP4InputError(f"activation must be [M, K], got {tuple(x.shape)}")
-    if plan is not None and dynamic_channels:
-        raise NVFP4InputError("use either a static RAC plan or dynamic_channels, not both")
-    if plan is not None and plan.k != x.shape[1]:
-        raise NVFP4InputError(f"RAC plan is for K={plan.k}, activation has K={x.shape[1]}")
+    check_rac_selection(x.shape[1], plan, dynamic_channels)
     a = activation_amax(x, static_amax)
     xq = nvfp4.quantize(x, "row", a, check=False)
-    if dynamic_channels % BLOCK_SIZE:
-        raise NVFP4InputError(f"dynamic RAC channels {dynamic_channels} is not a multiple of {BLOCK_SIZE}")
     if plan is None and not dynamic_channels:
         return QuantizedActivation(xq, None)
     r = (x.float() - nvfp4.dequantize(xq)).reshape(x.shape[0], -1, BLOCK_SIZE)

@@ -242,9 +242,10 @@ def _etp_worker(rank: int, world: int, port: int, out: str) -> None:
 
 def test_expert_tp_shards_gather_to_the_full_experts(tmp_path):
     import torch.multiprocessing as mp
-    from test_expert_parallel import _port
 
-    mp.spawn(_etp_worker, args=(2, _port(), str(tmp_path)), nprocs=2, join=True)
+    from quads_megatron.cpu_megatron import free_port
+
+    mp.spawn(_etp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["gathered"].keys() == got["full"].keys()

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from test_convert import E, F, H, L, hf_moe_state, read_all, write_hf
-from test_expert_parallel import _port
 
 from quads_megatron import convert
 from quads_megatron.convert import ConvertError, ConvertOptions
+from quads_megatron.cpu_megatron import free_port
 
 NQ, NKV, HD = 4, 2, 8  # attention of the full-model case: q [32, 32], k/v [16, 32]
 
@@ -138,7 +138,7 @@ def test_ep1_and_ep2_dist_checkpoints_convert_to_identical_bytes(tmp_path, monke
         ckpt = str(tmp_path / f"mcore_ep{world}")
         os.makedirs(ckpt)
         # EP=1 with per-layer keys, EP=2 layer-stacked: both layouts, both EP sizes, one output
-        mp.spawn(_save_worker, args=(world, _port(), ckpt, world == 2), nprocs=world, join=True)
+        mp.spawn(_save_worker, args=(world, free_port(), ckpt, world == 2), nprocs=world, join=True)
         dst = str(tmp_path / f"nvfp4_ep{world}")
         calls = interrupt_second_shard_write(ckpt, dst, str(base), monkeypatch) if world == 2 else None
         summary = convert.convert_megatron_dist(
@@ -172,7 +172,7 @@ def test_non_expert_weights_are_mapped_from_the_megatron_checkpoint(tmp_path):
     (base / "config.json").write_text(json.dumps(cfg))
     ckpt = tmp_path / "mcore"
     os.makedirs(ckpt)
-    mp.spawn(_save_worker, args=(1, _port(), str(ckpt), True, True), nprocs=1, join=True)
+    mp.spawn(_save_worker, args=(1, free_port(), str(ckpt), True, True), nprocs=1, join=True)
     opts = ConvertOptions(progress=False, verify=True)
     summary = convert.convert_megatron_dist(str(ckpt), str(tmp_path / "out"), str(base), opts)
     assert summary["layers"] == L and summary["quantized_modules"] == L * E * 3
@@ -186,7 +186,7 @@ def test_non_expert_weights_are_mapped_from_the_megatron_checkpoint(tmp_path):
     # a checkpoint without the attention weights cannot stand in for them: a clear error, no output
     bare = tmp_path / "mcore_experts_only"
     os.makedirs(bare)
-    mp.spawn(_save_worker, args=(1, _port(), str(bare), True, False), nprocs=1, join=True)
+    mp.spawn(_save_worker, args=(1, free_port(), str(bare), True, False), nprocs=1, join=True)
     with pytest.raises(ConvertError, match="non-expert-from hf"):
         convert.convert_megatron_dist(str(bare), str(tmp_path / "out2"), str(base), ConvertOptions(progress=False))
     assert not os.path.exists(tmp_path / "out2")

@@ -6,18 +6,13 @@ summed router grads agree within fp32 summation order, and each expert's NVFP4 c
 """
 
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
 
+from quads_megatron.cpu_megatron import free_port
+
 E, H, F = 4, 32, 48
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, workdir: str) -> None:
@@ -81,7 +76,7 @@ def test_ep2_matches_ep1_with_quads(tmp_path):
     )
     torch.save(torch.randn(2, 6, 2, H, generator=g), tmp_path / "inputs.pt")  # one batch per EP rank
     for world in (1, 2):
-        mp.spawn(_worker, args=(world, _port(), str(tmp_path)), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
     ep1 = torch.load(tmp_path / "ep1_rank0.pt")
     ep2 = [torch.load(tmp_path / f"ep2_rank{r}.pt") for r in range(2)]
     close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)

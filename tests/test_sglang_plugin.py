@@ -113,13 +113,14 @@ def build_model(path, quantization="quads_nvfp4"):
     sa = ServerArgs(model_path=str(path), device="cpu", quantization=quantization)
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0))
     if not _DIST:
-        from socket import socket
+        from quads_megatron.cpu_megatron import free_port
 
-        with socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         init_distributed_environment(
-            backend="gloo", world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}"
+            backend="gloo",
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
         )
         initialize_model_parallel(backend="gloo")
         _DIST["ok"] = True
