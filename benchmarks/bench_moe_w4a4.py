@@ -32,15 +32,15 @@ from quads_megatron import nvfp4, w4a4  # noqa: E402
 from quads_megatron.config import RACConfig  # noqa: E402
 
 E, HIDDEN, INTER, TOPK = 128, 2048, 768, 8
-CONFIGS = [  # (BM, BN, BK, warps, stages)
-    (16, 64, 128, 4, 3),
-    (16, 128, 128, 4, 3),
+CONFIGS = [  # (BM, BN, BK, warps, stages); gemm_config's defaults come from benchmarks/probe_gemm_tiles.py
     (16, 64, 256, 4, 3),
-    (32, 128, 128, 4, 3),
-    (64, 128, 64, 4, 3),
-    (128, 128, 64, 8, 3),
-    (128, 128, 128, 8, 3),
-    (128, 256, 64, 8, 3),
+    (16, 128, 256, 4, 3),
+    (16, 256, 128, 4, 2),
+    (32, 128, 256, 4, 3),
+    (64, 128, 128, 4, 2),
+    (64, 128, 256, 4, 2),
+    (128, 128, 128, 8, 2),
+    (128, 256, 64, 8, 4),
 ]
 
 
@@ -58,11 +58,11 @@ def bench_eager(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
 
 
-def routing(tokens: int, gen: torch.Generator) -> torch.Tensor:
+def routing(tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random top-k routing -> offs int32 [E] (cumulative row ends) and each grouped row's token int32."""
     logits = torch.randn(tokens, E, generator=gen, device="cuda")
-    ids = logits.topk(TOPK, dim=-1).indices.flatten()
-    counts = torch.bincount(ids, minlength=E)
-    return torch.cumsum(counts, 0).to(torch.int32)
+    order, offs, _ = moe.route(logits.topk(TOPK, dim=-1).indices, E)
+    return offs, (order // TOPK).to(torch.int32)
 
 
 def checks(log) -> dict:
@@ -94,7 +94,7 @@ def checks(log) -> dict:
     res["triton_dynamic_rac_quant_bit_identical_gpu"] = bool(a.x.same_bits(b.x) and a.residual.same_bits(b.residual))
     ws = [nvfp4.quantize(torch.randn(2 * INTER, HIDDEN, generator=g, device="cuda") * 0.02) for _ in range(E)]
     wc, wsc, wsd = kg.stack_expert_weights(ws)
-    offs = routing(64, g)
+    offs, _ = routing(64, g)
     xr = (
         torch.randn(int(offs[-1]), HIDDEN, generator=g, device="cuda")
         * torch.exp(torch.randn(HIDDEN, generator=g, device="cuda"))
@@ -169,13 +169,14 @@ def time_sizes(tokens_list, log) -> list[dict]:
     nvfp4_bytes = wc.numel() + wsc.numel() + wsd.numel() * 4
     results = []
     for tokens in tokens_list:
-        offs = routing(tokens, g)
+        offs, tok = routing(tokens, g)
         rows = int(offs[-1])
         active = int((torch.diff(offs, prepend=offs.new_zeros(1)) > 0).sum())
-        x = (
-            torch.randn(rows, HIDDEN, generator=g, device="cuda")
+        xt = (
+            torch.randn(tokens, HIDDEN, generator=g, device="cuda")
             * torch.exp(torch.randn(HIDDEN, generator=g, device="cuda"))
         ).bfloat16()
+        x = xt[tok]  # the peers get the grouped rows gathered for free
         r = {"tokens": tokens, "rows": rows, "active_experts": active}
         r["bf16_us"] = bench(lambda: torch._grouped_mm(x, w_bt, offs=offs))
         xa = x.float().abs().amax(-1)
@@ -187,17 +188,17 @@ def time_sizes(tokens_list, log) -> list[dict]:
             )
         except Exception as e:  # report, do not hide
             r["fp8_error"] = repr(e)[:200]
-        qa0 = kg.activation_operand(x)
+        qa0 = kg.activation_operand(xt)
         best = None
         for cfg in CONFIGS:
-            if cfg[0] > 16 and rows < 4 * 1024:
-                continue
-            if cfg[0] == 16 and rows > 64 * 1024:
+            if (cfg[0] == 128 and rows < 4 * 1024) or (cfg[0] == 16 and rows > 64 * 1024):
                 continue
             for asm in (True, False):
                 kw = dict(block_m=cfg[0], block_n=cfg[1], block_k=cfg[2], num_warps=cfg[3], num_stages=cfg[4])
                 try:
-                    t = bench(lambda kw=kw, asm=asm: kg.grouped_w4a4(qa0, offs, wc, wsc, wsd, use_asm=asm, **kw))
+                    t = bench(
+                        lambda kw=kw, asm=asm: kg.grouped_w4a4(qa0, offs, wc, wsc, wsd, use_asm=asm, a_rows=tok, **kw)
+                    )
                 except Exception as e:
                     log(f"config {cfg} asm={asm} failed: {repr(e)[:160]}")
                     continue
@@ -210,15 +211,16 @@ def time_sizes(tokens_list, log) -> list[dict]:
             f"BM{kw['block_m']} BN{kw['block_n']} BK{kw['block_k']} w{kw['num_warps']} {'ptx' if asm else 'int-op'}"
         )
         r["w4a4_gemm_us"] = t_gemm
-        r["act_quant_us"] = bench(lambda: kg.activation_operand(x, check=False))
+        r["act_quant_us"] = bench(lambda: kg.activation_operand(xt, check=False))
 
+        # as moe_w4a4 runs fc1: each token quantized once, the GEMM reads it through the row's token index
         def w4a4_step(plan=None, mask=None, dynamic=0):
-            op = kg.activation_operand(x, plan, check=False, block_mask=mask, dynamic_channels=dynamic)
-            return kg.grouped_w4a4(op, offs, wc, wsc, wsd, use_asm=asm, **kw)
+            op = kg.activation_operand(xt, plan, check=False, block_mask=mask, dynamic_channels=dynamic)
+            return kg.grouped_w4a4(op, offs, wc, wsc, wsd, use_asm=asm, a_rows=tok, **kw)
 
         def codes_step(plan=None, mask=None):  # FP4 codes to the GEMM, decoded per tile there
-            qa = kg.quantize_activation(x, plan, check=False, block_mask=mask)
-            return kg.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, use_asm=asm, **kw)
+            qa = kg.quantize_activation(xt, plan, check=False, block_mask=mask)
+            return kg.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, use_asm=asm, a_rows=tok, **kw)
 
         r["codes_path_total_us"] = bench(codes_step)
 
@@ -226,7 +228,7 @@ def time_sizes(tokens_list, log) -> list[dict]:
         r["w4a4_total_eager_us"] = bench_eager(w4a4_step)  # with Python launch overhead, no graph
         for ratio in (0.125, 0.25, 0.5):
             nch = RACConfig(ratio=ratio).num_channels(HIDDEN)
-            plan = w4a4.RACPlan.from_scores(w4a4.residual_block_scores(x[:256]).sum(0), nch)
+            plan = w4a4.RACPlan.from_scores(w4a4.residual_block_scores(xt[:256]).sum(0), nch)
             mask = plan.block_mask("cuda").to(torch.int8)
             tag = f"rac{int(ratio * 1000) / 10}"
             r[f"{tag}_total_us"] = bench(lambda plan=plan, mask=mask: w4a4_step(plan, mask))
@@ -234,8 +236,8 @@ def time_sizes(tokens_list, log) -> list[dict]:
             r[f"{tag}_extra_pct"] = 100 * (r[f"{tag}_total_us"] / r["w4a4_total_us"] - 1)
         r["dyn50_total_us"] = bench(lambda: w4a4_step(dynamic=HIDDEN // 2))  # per-token selection in-kernel
         r["dyn50_extra_pct"] = 100 * (r["dyn50_total_us"] / r["w4a4_total_us"] - 1)
-        # HBM floor: weights of active experts + activations (codes+scales) + bf16 output
-        bytes_moved = nvfp4_bytes * active / E + rows * (HIDDEN // 2 + HIDDEN // 16 + 4) + rows * 2 * INTER * 2
+        # HBM floor: weights of active experts + bf16 tokens in + their fp16 operand (once) + bf16 output
+        bytes_moved = nvfp4_bytes * active / E + tokens * HIDDEN * (2 + 2) + rows * 2 * INTER * 2
         r["hbm_roofline_pct"] = 100 * (bytes_moved / 4.0e12) / (r["w4a4_total_us"] * 1e-6)
         r["vs_bf16"] = r["bf16_us"] / r["w4a4_total_us"]
         if "fp8_us" in r:
@@ -291,8 +293,9 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str, blocks: l
         "",
         "Expert fc1 of a Qwen3-30B-A3B-shaped layer: 128 experts, K=2048, N=2x768, top-8, random routing.",
         "Ours = activation quant kernel emitting the decoded fp16 operand (RAC folded in) + grouped GEMM",
-        "decoding FP4 weights in registers (exact products, fp32 accumulation). 'codes path' = FP4",
-        "activation codes decoded inside the GEMM instead.",
+        "decoding FP4 weights in registers (exact products, fp32 accumulation). As moe_w4a4 runs fc1, each",
+        "token is quantized once and the GEMM reads it through the grouped row's token index (the peers",
+        "get the gathered rows for free). 'codes path' = FP4 activation codes decoded inside the GEMM instead.",
         "Peers: torch._grouped_mm (bf16) and torch._scaled_grouped_mm",
         "(FP8 rowwise, activation quant not timed). Ratios > 1 mean ours is faster. Roofline: 4.0 TB/s.",
         "All times are medians of CUDA-graph replays (launch overhead excluded) unless marked eager.",

@@ -2,7 +2,8 @@
 
 * quantize_activation: x [M, K] -> per-token NVFP4 codes/scales, S_dec [M, 1], and (RAC, static
   plan or dynamic per-token selection) the dense residual codes/scales, bit-identical to
-  quads_megatron.w4a4.quantize_activation; activation_operand emits the decoded GEMM operand.
+  quads_megatron.w4a4.quantize_activation; activation_operand emits the decoded GEMM operand
+  (optionally of SiLU(gate) * up computed in the same pass, for an MoE block's fc2).
 * grouped_w4a4: y[rows of expert e] = S_dec_x * S_dec_w[e] * ([A | R_S] @ [W_e | W_e,S]^T).
   FP4 codes are decoded in registers to fp16 by bit operations (PTX on the GPU; value * E4M3
   scale * 2^-7 is exact in fp16), products run on the fp16 tensor cores, sums accumulate in fp32.
@@ -11,7 +12,7 @@
   extra weight traffic. A + R is exact in fp16 unless the two terms span more than 11 bits
   (then it rounds at 2^-11 relative); without RAC every product is exact.
   Expert rows follow ``offs`` (cumulative row ends, as torch._grouped_mm); tiles are scheduled
-  on device (no host sync).
+  on device (no host sync); rows may read their activation through an index (a_rows).
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ from quads_megatron.kernels.nvfp4_quant import FP32_MAX, nvfp4_block_encode
 from quads_megatron import nvfp4
 from quads_megatron.nvfp4 import NVFP4InputError, NVFP4Tensor
 from quads_megatron.w4a4 import QuantizedActivation, RACPlan, check_rac_selection
+
+
+@triton.jit
+def round_bf16(y):
+    """fp32 -> the nearest-even bf16 value, still as fp32 (bit ops: the interpreter's own cast truncates)."""
+    yb = y.to(tl.int32, bitcast=True)
+    return ((yb + 0x7FFF + ((yb >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -159,6 +167,36 @@ def _load_pairs(x_ptr, rows64, rmask, stride_xm, k0, K: tl.constexpr, BLOCK_K: t
 
 
 @triton.jit
+def _load_row_pairs(
+    x_ptr,
+    valid_ptr,
+    rows64,
+    rmask,
+    stride_xm,
+    k0,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    X_BF16: tl.constexpr,
+):
+    """(even, odd) fp32 [BLOCK_M, BLOCK_K/2] of the rows to quantize: x itself, or (GATED) the gated
+    activation h = silu(gate) * up of x = [gate | up] ([M, 2K]), computed in fp32 and rounded to x's
+    dtype as moe_w4a4.gated_activation does. HAS_VALID: rows with valid == 0 read as zeros."""
+    if HAS_VALID:
+        rmask = rmask & (tl.load(valid_ptr + rows64, mask=rmask, other=0) != 0)
+    if GATED:
+        g0, g1 = _load_pairs(x_ptr, rows64, rmask, stride_xm, k0, K, BLOCK_K)
+        u0, u1 = _load_pairs(x_ptr + K, rows64, rmask, stride_xm, k0, K, BLOCK_K)
+        h0 = tl.div_rn(g0, 1.0 + tl.exp(-g0)) * u0
+        h1 = tl.div_rn(g1, 1.0 + tl.exp(-g1)) * u1
+        if X_BF16:
+            return round_bf16(h0), round_bf16(h1)
+        return h0.to(tl.float16).to(tl.float32), h1.to(tl.float16).to(tl.float32)
+    return _load_pairs(x_ptr, rows64, rmask, stride_xm, k0, K, BLOCK_K)
+
+
+@triton.jit
 def _global_scales(amax, BLOCK_M: tl.constexpr):
     """Per-row S_enc, S_dec from amax [BLOCK_M] exactly as quads_megatron.nvfp4.global_encode_scale."""
     s_enc = tl.minimum(tl.div_rn(tl.full((BLOCK_M,), 2688.0, tl.float32), amax), FP32_MAX)
@@ -169,6 +207,7 @@ def _global_scales(amax, BLOCK_M: tl.constexpr):
 @triton.jit
 def _act_quant_kernel(
     x_ptr,
+    valid_ptr,
     amax_ptr,
     mask_ptr,
     codes_ptr,
@@ -185,6 +224,9 @@ def _act_quant_kernel(
     HAS_RES: tl.constexpr,
     DYNAMIC: tl.constexpr,
     OPERAND: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    X_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -192,7 +234,7 @@ def _act_quant_kernel(
     rmask = rows < M
     rows64 = rows.to(tl.int64)
     if BLOCK_K >= K:  # the whole row in registers: one read of x
-        x0, x1 = _load_pairs(x_ptr, rows64, rmask, stride_xm, 0, K, BLOCK_K)
+        x0, x1 = _load_row_pairs(x_ptr, valid_ptr, rows64, rmask, stride_xm, 0, K, BLOCK_K, GATED, HAS_VALID, X_BF16)
         if STATIC:
             amax = tl.load(amax_ptr + rows * 0, mask=rmask, other=0.0)
         else:
@@ -227,12 +269,16 @@ def _act_quant_kernel(
         else:
             amax = tl.zeros((BLOCK_M,), tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                x0, x1 = _load_pairs(x_ptr, rows64, rmask, stride_xm, k0, K, BLOCK_K)
+                x0, x1 = _load_row_pairs(
+                    x_ptr, valid_ptr, rows64, rmask, stride_xm, k0, K, BLOCK_K, GATED, HAS_VALID, X_BF16
+                )
                 amax = tl.maximum(amax, tl.max(tl.maximum(tl.abs(x0), tl.abs(x1)), axis=1))
         s_enc, s_dec = _global_scales(amax, BLOCK_M)
         tl.store(sdec_ptr + rows, s_dec, mask=rmask)
         for k0 in range(0, K, BLOCK_K):
-            x0, x1 = _load_pairs(x_ptr, rows64, rmask, stride_xm, k0, K, BLOCK_K)
+            x0, x1 = _load_row_pairs(
+                x_ptr, valid_ptr, rows64, rmask, stride_xm, k0, K, BLOCK_K, GATED, HAS_VALID, X_BF16
+            )
             _encode_store_chunk(
                 x0,
                 x1,
@@ -271,12 +317,33 @@ class ActivationOperand:
     global_decode: torch.Tensor
 
 
-def _launch_act_quant(x, plan, static_amax, block_m, block_k, check, num_warps, block_mask, operand, dynamic_channels):
+def _launch_act_quant(
+    x,
+    plan,
+    static_amax,
+    block_m,
+    block_k,
+    check,
+    num_warps,
+    block_mask,
+    operand,
+    dynamic_channels,
+    gated=False,
+    row_valid=None,
+):
     if check:
         nvfp4.check_quantizable(x, "activation")
     if x.dim() != 2:
         raise NVFP4InputError(f"activation must be [M, K], got {tuple(x.shape)}")
     m, k = x.shape
+    if gated:
+        if k % 32 or x.dtype not in (torch.bfloat16, torch.float16):
+            raise NVFP4InputError(
+                f"gated input must be bf16/fp16 [M, 2I] with I a multiple of 16, got {x.dtype} {tuple(x.shape)}"
+            )
+        k //= 2
+    if row_valid is not None and (row_valid.shape != (m,) or row_valid.dtype not in (torch.bool, torch.int8)):
+        raise NVFP4InputError(f"row_valid must be bool/int8 [{m}], got {row_valid.dtype} {tuple(row_valid.shape)}")
     check_rac_selection(k, plan, dynamic_channels)
     n_sel = min(dynamic_channels, k) // 16
     if x.stride(-1) != 1:
@@ -310,6 +377,7 @@ def _launch_act_quant(x, plan, static_amax, block_m, block_k, check, num_warps, 
     amax = static_amax.detach().float().reshape(1).to(dev) if static_amax is not None else sdec
     _act_quant_kernel[(triton.cdiv(m, block_m),)](
         x,
+        x if row_valid is None else row_valid.view(torch.int8),
         amax,
         mask,
         codes,
@@ -326,6 +394,9 @@ def _launch_act_quant(x, plan, static_amax, block_m, block_k, check, num_warps, 
         HAS_RES=has_res,
         DYNAMIC=n_sel > 0,
         OPERAND=operand,
+        GATED=gated,
+        HAS_VALID=row_valid is not None,
+        X_BF16=x.dtype == torch.bfloat16,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
         num_warps=num_warps,
@@ -373,41 +444,58 @@ def activation_operand(
     num_warps: int | None = None,
     block_mask: torch.Tensor | None = None,
     dynamic_channels: int = 0,
+    gated: bool = False,
+    row_valid: torch.Tensor | None = None,
 ) -> ActivationOperand:
     """Quantize x like quantize_activation, but emit the GEMM's decoded fp16 operand instead of codes
-    (same arguments). The Hopper GEMM then decodes only the weights, and RAC costs it nothing."""
+    (same arguments). The Hopper GEMM then decodes only the weights, and RAC costs it nothing.
+
+    gated: x is fc1's output [M, 2I] = [gate | up] (bf16/fp16) and the operand is made for
+    moe_w4a4.gated_activation(x) [M, I] (SiLU in fp32, rounded to x.dtype) without writing it.
+    row_valid: bool/int8 [M]; rows where it is 0 are quantized as zeros (foreign-expert rows).
+    """
     return _launch_act_quant(
-        x, plan, static_amax, block_m, block_k, check, num_warps, block_mask, True, dynamic_channels
+        x,
+        plan,
+        static_amax,
+        block_m,
+        block_k,
+        check,
+        num_warps,
+        block_mask,
+        True,
+        dynamic_channels,
+        gated,
+        row_valid,
     )
 
 
 # ----------------------------------------------------------------------------- grouped GEMM
 
 
-def _nibble_ptx(mag_shift: int, sign_shift: int) -> str:
-    """PTX: 4 packed code bytes ($2) -> 4 fp16 (two half2 in $0, $1) of one nibble per byte.
+def _nibble_ptx(hi: bool) -> str:
+    """PTX: 4 packed code bytes ($2) -> 4 fp16 (two half2 in $0, $1) of the low or high nibble of each byte.
 
-    prmt spreads bytes 0,1 (then 2,3) into the two 16-bit lanes of a register; one shift places the
-    3 magnitude bits at fp16 bits 9-11 and another the sign at bit 15, for both lanes at once.
+    The fp16 of value * 2^-14 is (code & 7) << 9 | (code & 8) << 12: its low byte is zero, so the four
+    high bytes are built in one register at once (magnitude to bits 1-3 and sign to bit 7 of every
+    byte: shift, and, shift-or-lop3) and prmt spreads them over the two half2 with zero low bytes.
+    5 instructions (high nibbles) or 6 (low) per 4 values.
     """
-
-    def one(t: str, o: str) -> str:
-        return (
-            f"shl.b32 a, {t}, {mag_shift}; and.b32 a, a, 0x0E000E00; "
-            f"shl.b32 b, {t}, {sign_shift}; lop3.b32 {o}, b, 0x80008000, a, 0xEA;"
-        )
-
+    if hi:  # bits 4-6 -> 1-3 (shift right 3); the sign is already bit 7
+        mag, sign = "shr.b32 a, $2, 3;", "mov.b32 b, $2;"
+    else:  # bits 0-2 -> 1-3 (shift left 1); sign bit 3 -> 7 (shift left 4)
+        mag, sign = "shl.b32 a, $2, 1;", "shl.b32 b, $2, 4;"
     return (
-        "{ .reg .b32 t0, t1, a, b, z; mov.b32 z, 0; prmt.b32 t0, $2, z, 0x4140; prmt.b32 t1, $2, z, 0x4342; "
-        + one("t0", "$0")
-        + " "
-        + one("t1", "$1")
-        + " }"
+        "{ .reg .b32 a, b, y, z; mov.b32 z, 0; "
+        + mag
+        + " and.b32 a, a, 0x0E0E0E0E; "
+        + sign
+        + " lop3.b32 y, b, 0x80808080, a, 0xEA; prmt.b32 $0, y, z, 0x1404; prmt.b32 $1, y, z, 0x3424; }"
     )
 
 
-_PTX_LO = tl.constexpr(_nibble_ptx(9, 12))  # low nibble: bits 0-2 -> 9-11, bit 3 -> 15
-_PTX_HI = tl.constexpr(_nibble_ptx(5, 8))  # high nibble: bits 4-6 -> 9-11, bit 7 -> 15
+_PTX_LO = tl.constexpr(_nibble_ptx(False))
+_PTX_HI = tl.constexpr(_nibble_ptx(True))
 
 
 @triton.jit
@@ -415,8 +503,8 @@ def _fp4_bits_to_fp16(c, HI: tl.constexpr, USE_ASM: tl.constexpr):
     """Packed code bytes (uint8) -> fp16 value * 2^-14 of the low (HI=False) or high nibble.
 
     fp16 bits (code & 7) << 9 | (code & 8) << 12 are exactly value * 2^-14, subnormals included.
-    USE_ASM (GPU): 4 bytes per PTX sequence (prmt spreads bytes to 16-bit lanes, shl/and/lop3
-    place the bits of two lanes at once); otherwise plain integer ops (also the interpreter's path).
+    USE_ASM (GPU): 4 bytes per PTX sequence (_nibble_ptx); otherwise plain integer ops (also the
+    interpreter's path, and the GPU twin the device checks compare bit for bit).
     """
     if USE_ASM:
         return tl.inline_asm_elementwise(
@@ -453,7 +541,10 @@ def _load_decoded(
     b = k0 // 16 + tl.arange(0, BK // 16)
     c = tl.load(code_ptr + rows64[:, None] * (K // 2) + p[None, :], mask=rmask[:, None], other=0)
     sb = tl.load(scale_ptr + rows64[:, None] * (K // 16) + b[None, :], mask=rmask[:, None], other=0)
-    s16 = (e4m3_value(sb.to(tl.int32)) * 128.0).to(tl.float16)
+    if USE_ASM:  # hardware E4M3 -> fp16 (cvt f16x2.e4m3x2, exact; scale bytes are finite and >= 0)
+        s16 = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
+    else:
+        s16 = (e4m3_value(sb.to(tl.int32)) * 128.0).to(tl.float16)
     s_full = tl.reshape(tl.broadcast_to(s16[:, :, None], (BR, BK // 16, 8)), (BR, BK // 2))
     lo = _fp4_bits_to_fp16(c, False, USE_ASM) * s_full
     hi = _fp4_bits_to_fp16(c, True, USE_ASM) * s_full
@@ -473,6 +564,7 @@ def _grouped_w4a4_kernel(
     rmask_ptr,
     offs_ptr,
     tiles_ptr,
+    arows_ptr,
     y_ptr,
     N,
     E,
@@ -480,6 +572,7 @@ def _grouped_w4a4_kernel(
     wsdec_stride,
     K: tl.constexpr,
     HAS_RES: tl.constexpr,
+    HAS_AROWS: tl.constexpr,
     LOG2_E: tl.constexpr,
     USE_ASM: tl.constexpr,
     A_OPERAND: tl.constexpr,
@@ -505,6 +598,10 @@ def _grouped_w4a4_kernel(
     rows = row_begin + (pid - tl.load(tiles_ptr + e)) * BM + tl.arange(0, BM)
     rmask = rows < row_end
     rows64 = rows.to(tl.int64)
+    if HAS_AROWS:  # grouped row -> activation row (e.g. its token: the operand is made once per token)
+        arows64 = tl.load(arows_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        arows64 = rows64
     ncols = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = ncols < N
     wrow = e.to(tl.int64) * N + ncols.to(tl.int64)
@@ -512,31 +609,49 @@ def _grouped_w4a4_kernel(
     for k0 in range(0, K, BK):
         w_lo, w_hi = _load_decoded(w_ptr, ws_ptr, wrow, nmask, k0, K, BN, BK, USE_ASM)
         if A_OPERAND:  # pre-decoded fp16 activation operand [M, 2, K/2] (RAC already folded in)
-            pa = a_ptr + rows64[:, None] * K + (k0 // 2 + tl.arange(0, BK // 2))[None, :]
+            pa = a_ptr + arows64[:, None] * K + (k0 // 2 + tl.arange(0, BK // 2))[None, :]
             a_lo = tl.load(pa, mask=rmask[:, None], other=0.0)
             a_hi = tl.load(pa + K // 2, mask=rmask[:, None], other=0.0)
         else:
-            a_lo, a_hi = _load_decoded(a_ptr, as_ptr, rows64, rmask, k0, K, BM, BK, USE_ASM)
+            a_lo, a_hi = _load_decoded(a_ptr, as_ptr, arows64, rmask, k0, K, BM, BK, USE_ASM)
         if HAS_RES:
             # augmented K folded into the A operand: [A | R_S] @ [W | W_S]^T == (A + R) @ W^T because
             # W_S are W's own columns; R is zero off the selection and tiles without it load nothing
             b = k0 // 16 + tl.arange(0, BK // 16)
             tile_sel = tl.max(tl.load(rmask_ptr + e * rmask_estride + b).to(tl.int32), axis=0)
-            r_lo, r_hi = _load_decoded(r_ptr, rs_ptr, rows64, rmask & (tile_sel != 0), k0, K, BM, BK, USE_ASM)
+            r_lo, r_hi = _load_decoded(r_ptr, rs_ptr, arows64, rmask & (tile_sel != 0), k0, K, BM, BK, USE_ASM)
             a_lo += r_lo
             a_hi += r_hi
         acc = tl.dot(a_lo, tl.trans(w_lo), acc)
         acc = tl.dot(a_hi, tl.trans(w_hi), acc)
     acc = acc * 16384.0  # undo 2^-7 on each operand (exact power of two)
-    sa = tl.load(asdec_ptr + rows, mask=rmask, other=0.0)
+    sa = tl.load(asdec_ptr + arows64, mask=rmask, other=0.0)
     sw = tl.load(wsdec_ptr + e * wsdec_stride)
     y = acc * sa[:, None] * sw
-    if OUT_BF16:  # round to nearest even by bit ops: the interpreter's own fp32->bf16 cast truncates
-        yb = y.to(tl.int32, bitcast=True)
-        y = ((yb + 0x7FFF + ((yb >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    if OUT_BF16:
+        y = round_bf16(y)
     tl.store(
         y_ptr + rows64[:, None] * N + ncols[None, :], y.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :]
     )
+
+
+@triton.jit
+def _tile_starts_kernel(offs_ptr, tiles_ptr, E, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """tiles[0] = 0, tiles[e+1] = sum over experts <= e of ceil(rows_e / BM) (one program)."""
+    e = tl.arange(0, BLOCK_E)
+    end = tl.load(offs_ptr + e, mask=e < E, other=0)
+    begin = tl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
+    t = tl.cumsum((end - begin + BM - 1) // BM, axis=0)
+    tl.store(tiles_ptr + e + 1, t, mask=e < E)
+    tl.store(tiles_ptr + e, tl.zeros_like(t), mask=e == 0)
+
+
+def tile_starts(offs: torch.Tensor, block_m: int) -> torch.Tensor:
+    """int32 [E+1] first tile of each expert for offs (int32 [E], cumulative row ends): one launch."""
+    e = offs.numel()
+    tiles = torch.empty(e + 1, dtype=torch.int32, device=offs.device)
+    _tile_starts_kernel[(1,)](offs, tiles, e, BM=block_m, BLOCK_E=triton.next_power_of_2(max(e, 2)))
+    return tiles
 
 
 def stack_expert_weights(weights: list[NVFP4Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -556,12 +671,18 @@ def last_compiled():
 
 
 def gemm_config(rows: int, k: int) -> dict[str, int]:
-    """Tiles for grouped_w4a4 from the H200 sweep (benchmarks/results/bench_moe_w4a4.md): up to ~4k
-    grouped rows the GEMM streams weights (16-row tiles), beyond it is compute bound (128x128)."""
-    bk = next(b for b in (128, 64, 32, 16) if k % b == 0)
+    """Tiles for grouped_w4a4 from the H200 sweeps (benchmarks/probe_gemm_tiles.py and the benchmark's own,
+    2026-12-02): up to ~4k grouped rows the GEMM streams weights (16-row tiles, long K steps, mma.sync);
+    beyond it 64- then 128-row wgmma tiles."""
+
+    def bk(pref: int) -> int:
+        return next(b for b in (256, 128, 64, 32, 16) if b <= pref and k % b == 0)
+
     if rows <= 4096:
-        return dict(block_m=16, block_n=64 if rows <= 256 else 128, block_k=bk, num_warps=4, num_stages=3)
-    return dict(block_m=128, block_n=128, block_k=bk, num_warps=8, num_stages=3)
+        return dict(block_m=16, block_n=128, block_k=bk(256), num_warps=4, num_stages=3)
+    if rows <= 16384:
+        return dict(block_m=64, block_n=128, block_k=bk(128), num_warps=4, num_stages=2)
+    return dict(block_m=128, block_n=128, block_k=bk(128), num_warps=8, num_stages=2)
 
 
 def grouped_w4a4(
@@ -578,6 +699,7 @@ def grouped_w4a4(
     num_warps: int = 4,
     num_stages: int = 3,
     use_asm: bool | None = None,
+    a_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped W4A4(+RAC) GEMM -> y [M, N] in out_dtype.
 
@@ -588,6 +710,9 @@ def grouped_w4a4(
     the gate column of a serving engine's [E, 2] weight_scale_2: read in place, nothing derived).
     res_block_mask: int8/bool [K/16] or [E, K/16] marking compensated blocks (None: every block may
     hold residual).
+    a_rows: int32/int64 [M'] optional: grouped row i reads activation row a_rows[i] (e.g. its token,
+    with the operand made once per token: no gathered copy); y then has M' rows. Its values must lie
+    in [0, M) (not checked: that would sync with the host).
     """
     e_count, n, k_half = w_codes.shape
     k = k_half * 2
@@ -597,15 +722,18 @@ def grouped_w4a4(
     )
     if act_k != k:
         raise NVFP4InputError(f"activation K={act_k} does not match weight K={k}")
+    if a_rows is not None:
+        if a_rows.dim() != 1 or a_rows.dtype not in (torch.int32, torch.int64):
+            raise NVFP4InputError(f"a_rows must be int32/int64 [rows], got {a_rows.dtype} {tuple(a_rows.shape)}")
+        m = a_rows.numel()
+        a_rows = a_rows.to(w_codes.device).contiguous()
     if offs.numel() != e_count:
         raise NVFP4InputError(f"offs has {offs.numel()} entries for {e_count} experts")
     if k % block_k:
         raise NVFP4InputError(f"K={k} must be a multiple of block_k={block_k}")
     dev = w_codes.device
     offs = offs.to(device=dev, dtype=torch.int32)
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    tiles = torch.zeros(e_count + 1, dtype=torch.int32, device=dev)
-    tiles[1:] = torch.cumsum((counts + block_m - 1) // block_m, 0)
+    tiles = tile_starts(offs, block_m)
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
     has_res = not a_operand and qa.residual is not None
     if has_res:
@@ -617,7 +745,7 @@ def grouped_w4a4(
         estride = k // 16 if mask.dim() == 2 else 0
         r, rs = qa.residual.codes, qa.residual.block_scales.view(torch.uint8)
     else:
-        mask, estride = torch.zeros(1, dtype=torch.int8, device=dev), 0
+        mask, estride = offs, 0  # unused
         r = rs = qa.values if a_operand else qa.x.codes  # unused
     if a_operand:
         a, a_s = qa.values, qa.values  # a_s unused
@@ -638,6 +766,7 @@ def grouped_w4a4(
         mask,
         offs,
         tiles,
+        offs if a_rows is None else a_rows,
         y,
         n,
         e_count,
@@ -645,6 +774,7 @@ def grouped_w4a4(
         w_sdec.stride(0),
         K=k,
         HAS_RES=has_res,
+        HAS_AROWS=a_rows is not None,
         LOG2_E=max(1, (e_count - 1).bit_length()),
         USE_ASM=use_asm,
         A_OPERAND=a_operand,

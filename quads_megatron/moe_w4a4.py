@@ -7,7 +7,9 @@ amax), optionally RAC-compensated (static plan or dynamic per-token selection), 
 converter's / trainer's NVFP4 codes as they are (no re-quantization). fc1 outputs and the gated
 activation are rounded to the activation dtype (bf16) like every serving engine does between the
 two GEMMs. Two implementations with one contract: ``reference`` (torch, any device) and
-``triton`` (quads_megatron.kernels.w4a4_grouped, the Hopper path).
+``triton`` (quads_megatron.kernels.w4a4_grouped, the Hopper path). The Triton path fuses SiLU(gate)
+* up into fc2's activation quantization; on a GPU that SiLU uses Triton's exp, so a few gated
+values may differ from torch's SiLU by one bf16 ulp (bit-identical under the CPU interpreter).
 
 Routing: ids outside [0, E) (tokens routed to experts of another EP rank, marked -1 by SGLang)
 contribute nothing. The top-k sum runs in a fixed order (no atomics): same input, same bits.
@@ -172,13 +174,16 @@ def moe_w4a4(
         return torch.empty_like(x)
     order, offs, valid = route(topk_ids, weights.num_experts)
     tokens = order // topk_ids.shape[1]
-    run = _experts_triton if impl == "triton" else _experts_reference
-    y2 = run(x, tokens, offs, valid, weights, rac, static_amax, activation, check)
-    return combine(y2, order, valid, topk_weights).to(x.dtype)
+    if impl == "reference":
+        y2 = _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation)
+        return combine(y2, order, valid, topk_weights).to(x.dtype)
+    from quads_megatron.kernels import moe_combine
+
+    y2 = _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check)
+    return moe_combine.combine(y2, order, topk_ids, topk_weights, weights.num_experts, x.dtype)
 
 
-def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation, check):
-    del check  # the reference always checks its inputs (it runs off the serving path)
+def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation):
     e = weights.num_experts
 
     def gemm(a, which, g, amax):
@@ -192,15 +197,16 @@ def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activa
 
 
 def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check):
+    """fc1 reads the per-token operand through the grouped rows' token index (no gathered copy);
+    SiLU(gate) * up and the foreign-row mask are fused into fc2's activation quantization."""
     from quads_megatron.kernels import w4a4_grouped as kg
 
-    def operand(a, g, amax, check):
-        return kg.activation_operand(
-            a, g.plan, amax, check=check, block_mask=g.mask, dynamic_channels=g.dynamic_channels
-        )
-
-    op = operand(x, rac.fc1, static_amax[0], check)  # once per token, then gathered to its k experts
-    op = kg.ActivationOperand(op.values[tokens], op.global_decode[tokens])
+    if activation not in ACTIVATIONS:
+        raise NVFP4InputError(f"activation {activation!r} is not supported (supported: {list(ACTIVATIONS)})")
+    g1, g2 = rac.fc1, rac.fc2
+    op = kg.activation_operand(  # once per token
+        x, g1.plan, static_amax[0], check=check, block_mask=g1.mask, dynamic_channels=g1.dynamic_channels
+    )
     rows = tokens.numel()
     y1 = kg.grouped_w4a4(
         op,
@@ -209,10 +215,19 @@ def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activatio
         weights.w13_scales,
         weights.w13_sdec,
         out_dtype=x.dtype,
+        a_rows=tokens,
         **kg.gemm_config(rows, weights.hidden),
     )
-    h = torch.where(valid[:, None], gated_activation(y1, activation), 0.0)
-    op2 = operand(h, rac.fc2, static_amax[1], False)  # finite by construction; no host sync
+    op2 = kg.activation_operand(  # of gated_activation(y1), zero on foreign rows; finite by construction
+        y1,
+        g2.plan,
+        static_amax[1],
+        check=False,
+        block_mask=g2.mask,
+        dynamic_channels=g2.dynamic_channels,
+        gated=True,
+        row_valid=valid,
+    )
     return kg.grouped_w4a4(
         op2,
         offs,

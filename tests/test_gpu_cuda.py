@@ -4,7 +4,8 @@ test_megatron_patch / test_moe_w4a4 cover the same contracts through the CPU pat
 * the Megatron-Core patches on CUDA tensors (megatron-core 0.19 on the device): forward equals
   x @ qdq(W)^T, STE gradients, one QDQ per weight version, with the Triton QDQ twin;
 * the rollout MoE block (the SGLang method's forward) at Qwen3-30B-A3B expert sizes: Triton path
-  vs reference, strided S_dec views, and CUDA-graph capture (no host sync on the serving path).
+  vs reference, strided S_dec views, and CUDA-graph capture (no host sync on the serving path);
+* the block's fused pieces on the GPU: token-indexed fc1 rows, gated fc2 quantization, combine.
 """
 
 import pytest
@@ -123,3 +124,34 @@ def test_moe_block_captures_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, moe_w4a4(x2, ids2, tw2, w, r, check=False))
+
+
+def test_fused_block_pieces_on_gpu():
+    """Token-indexed fc1 rows (bit for bit), SiLU*up fused into fc2's quantization (GPU exp is Triton's
+    own, so a few h values may round differently than torch's silu), the combine kernel."""
+    from quads_megatron.kernels import moe_combine
+    from quads_megatron.kernels import w4a4_grouped as kg
+
+    from quads_megatron.moe_w4a4 import combine, gated_activation, route
+
+    x, ids, tw, w = moe_case(200)
+    ids[3, 1] = -1
+    order, offs, valid = route(ids, E)
+    tok = order // TOPK
+    op = kg.activation_operand(x)
+    n = int(offs[-1])
+    for cfg in (kg.gemm_config(16, H), kg.gemm_config(8192, H), kg.gemm_config(65536, H)):
+        want = kg.grouped_w4a4(kg.ActivationOperand(op.values[tok], op.global_decode[tok]), offs, *_w13(w), **cfg)
+        assert torch.equal(kg.grouped_w4a4(op, offs, *_w13(w), a_rows=tok, **cfg)[:n], want[:n])
+    y1 = kg.grouped_w4a4(op, offs, *_w13(w), a_rows=tok, **kg.gemm_config(16, H))
+    fused = kg.activation_operand(y1, gated=True, row_valid=valid)
+    unfused = kg.activation_operand(torch.where(valid[:, None], gated_activation(y1), 0.0))
+    same = (fused.values == unfused.values).float().mean().item()
+    assert same > 0.99 and torch.allclose(fused.global_decode, unfused.global_decode, rtol=1e-2)
+    y2 = torch.randn(ids.numel(), H, device="cuda").bfloat16()
+    got = moe_combine.combine(y2, order, ids, tw, E, torch.float32)
+    assert torch.allclose(got, combine(y2, order, valid, tw), rtol=1e-6, atol=1e-6)
+
+
+def _w13(w):
+    return w.w13_codes, w.w13_scales, w.w13_sdec
