@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Python 3.12 + megatron-core 0.19.2 (carried wheel in .whl/) test suite with CUDA
 # hidden (the CPU path), then GPU bit-identity checks and the W4A4 MoE benchmark. Writes to $OUT.
+# Env: SKIP_TESTS=1, SKIP_CPU_SUITE=1 (CUDA tests only), SKIP_BENCH=1, TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_ARGS.
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

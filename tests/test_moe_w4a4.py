@@ -64,13 +64,17 @@ def test_reference_equals_per_token_loop(rac):
     assert torch.allclose(got.float(), per_token_loop(x, ids, tw, w13, w2, RACS[rac]).float(), rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rac", list(RACS))
-def test_triton_path_matches_reference(rac):
+def test_triton_path_matches_reference(rac, dtype):
     weights, _, _ = experts()
     x, ids, tw = routing()
+    x = x.to(dtype)
     ids[0, 0] = E  # out of range: ignored like -1
-    ref = moe_w4a4(x, ids, tw, weights, RACS[rac], impl="reference").float()
-    got = moe_w4a4(x, ids, tw, weights, RACS[rac].on("cpu"), impl="triton").float()
+    ref = moe_w4a4(x, ids, tw, weights, RACS[rac], impl="reference")
+    got = moe_w4a4(x, ids, tw, weights, RACS[rac].on("cpu"), impl="triton")
+    assert got.dtype == ref.dtype == dtype
+    ref, got = ref.float(), got.float()
     # same quantization; fc1 sums differ in order (fp32 vs fp64), so bf16 roundings may differ by 1 ulp
     assert ((got - ref).norm() / ref.norm()).item() < 1e-2
     assert torch.equal(got, moe_w4a4(x, ids, tw, weights, RACS[rac].on("cpu"), impl="triton").float())  # deterministic
