@@ -169,31 +169,27 @@ def _load_pairs(x_ptr, rows64, rmask, stride_xm, k0, K: tl.constexpr, BLOCK_K: t
 @triton.jit
 def _load_row_pairs(
     x_ptr,
-    valid_ptr,
     rows64,
-    rmask,
+    lmask,
     stride_xm,
     k0,
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GATED: tl.constexpr,
-    HAS_VALID: tl.constexpr,
     X_BF16: tl.constexpr,
 ):
     """(even, odd) fp32 [BLOCK_M, BLOCK_K/2] of the rows to quantize: x itself, or (GATED) the gated
     activation h = silu(gate) * up of x = [gate | up] ([M, 2K]), computed in fp32 and rounded to x's
-    dtype as moe_w4a4.gated_activation does. HAS_VALID: rows with valid == 0 read as zeros."""
-    if HAS_VALID:
-        rmask = rmask & (tl.load(valid_ptr + rows64, mask=rmask, other=0) != 0)
+    dtype as moe_w4a4.gated_activation does. Rows outside lmask read as zeros."""
     if GATED:
-        g0, g1 = _load_pairs(x_ptr, rows64, rmask, stride_xm, k0, K, BLOCK_K)
-        u0, u1 = _load_pairs(x_ptr + K, rows64, rmask, stride_xm, k0, K, BLOCK_K)
+        g0, g1 = _load_pairs(x_ptr, rows64, lmask, stride_xm, k0, K, BLOCK_K)
+        u0, u1 = _load_pairs(x_ptr + K, rows64, lmask, stride_xm, k0, K, BLOCK_K)
         h0 = tl.div_rn(g0, 1.0 + tl.exp(-g0)) * u0
         h1 = tl.div_rn(g1, 1.0 + tl.exp(-g1)) * u1
         if X_BF16:
             return round_bf16(h0), round_bf16(h1)
         return h0.to(tl.float16).to(tl.float32), h1.to(tl.float16).to(tl.float32)
-    return _load_pairs(x_ptr, rows64, rmask, stride_xm, k0, K, BLOCK_K)
+    return _load_pairs(x_ptr, rows64, lmask, stride_xm, k0, K, BLOCK_K)
 
 
 @triton.jit
@@ -233,8 +229,11 @@ def _act_quant_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     rows64 = rows.to(tl.int64)
+    lmask = rmask  # rows whose input is read (HAS_VALID: the others quantize zeros)
+    if HAS_VALID:
+        lmask = rmask & (tl.load(valid_ptr + rows64, mask=rmask, other=0) != 0)
     if BLOCK_K >= K:  # the whole row in registers: one read of x
-        x0, x1 = _load_row_pairs(x_ptr, valid_ptr, rows64, rmask, stride_xm, 0, K, BLOCK_K, GATED, HAS_VALID, X_BF16)
+        x0, x1 = _load_row_pairs(x_ptr, rows64, lmask, stride_xm, 0, K, BLOCK_K, GATED, X_BF16)
         if STATIC:
             amax = tl.load(amax_ptr + rows * 0, mask=rmask, other=0.0)
         else:
@@ -269,16 +268,12 @@ def _act_quant_kernel(
         else:
             amax = tl.zeros((BLOCK_M,), tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                x0, x1 = _load_row_pairs(
-                    x_ptr, valid_ptr, rows64, rmask, stride_xm, k0, K, BLOCK_K, GATED, HAS_VALID, X_BF16
-                )
+                x0, x1 = _load_row_pairs(x_ptr, rows64, lmask, stride_xm, k0, K, BLOCK_K, GATED, X_BF16)
                 amax = tl.maximum(amax, tl.max(tl.maximum(tl.abs(x0), tl.abs(x1)), axis=1))
         s_enc, s_dec = _global_scales(amax, BLOCK_M)
         tl.store(sdec_ptr + rows, s_dec, mask=rmask)
         for k0 in range(0, K, BLOCK_K):
-            x0, x1 = _load_row_pairs(
-                x_ptr, valid_ptr, rows64, rmask, stride_xm, k0, K, BLOCK_K, GATED, HAS_VALID, X_BF16
-            )
+            x0, x1 = _load_row_pairs(x_ptr, rows64, lmask, stride_xm, k0, K, BLOCK_K, GATED, X_BF16)
             _encode_store_chunk(
                 x0,
                 x1,

@@ -125,10 +125,14 @@ def route(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch
     return order, offs, local[order]
 
 
-def gated_activation(y1: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """[M, 2I] (gate | up) -> act(gate) * up [M, I], computed in fp32, rounded to y1's dtype."""
+def check_activation(activation: str) -> None:
     if activation not in ACTIVATIONS:
         raise NVFP4InputError(f"activation {activation!r} is not supported (supported: {list(ACTIVATIONS)})")
+
+
+def gated_activation(y1: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """[M, 2I] (gate | up) -> act(gate) * up [M, I], computed in fp32, rounded to y1's dtype."""
+    check_activation(activation)
     gate, up = y1.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(y1.dtype)
 
@@ -170,6 +174,7 @@ def moe_w4a4(
         impl = "triton" if x.is_cuda else "reference"
     if impl not in ("reference", "triton"):
         raise NVFP4InputError(f"impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+    check_activation(activation)  # before any work, on both paths
     if x.shape[0] == 0:  # idle batch (e.g. data-parallel attention ranks without tokens)
         return torch.empty_like(x)
     order, offs, valid = route(topk_ids, weights.num_experts)
@@ -201,8 +206,6 @@ def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activatio
     SiLU(gate) * up and the foreign-row mask are fused into fc2's activation quantization."""
     from quads_megatron.kernels import w4a4_grouped as kg
 
-    if activation not in ACTIVATIONS:
-        raise NVFP4InputError(f"activation {activation!r} is not supported (supported: {list(ACTIVATIONS)})")
     g1, g2 = rac.fc1, rac.fc2
     op = kg.activation_operand(  # once per token
         x, g1.plan, static_amax[0], check=check, block_mask=g1.mask, dynamic_channels=g1.dynamic_channels
