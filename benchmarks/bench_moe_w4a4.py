@@ -27,6 +27,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from quads_megatron.kernels import nvfp4_quant  # noqa: E402
 from quads_megatron.kernels import w4a4_grouped as kg  # noqa: E402
 
+try:
+    from quads_megatron.kernels import w4a4_wgmma as wg  # noqa: E402
+except ImportError:  # a Triton without Gluon's Hopper API: the table leaves its columns out
+    wg = None
+
 from quads_megatron import moe_w4a4 as moe  # noqa: E402
 from quads_megatron import nvfp4, w4a4  # noqa: E402
 from quads_megatron.config import RACConfig  # noqa: E402
@@ -225,6 +230,21 @@ def time_sizes(tokens_list, log) -> list[dict]:
         r["codes_path_total_us"] = bench(codes_step)
 
         r["w4a4_total_us"] = bench(w4a4_step)  # quant + GEMM in one graph
+        if wg is not None:  # the Gluon Hopper GEMM at its default tiles, operand in its order
+            perm = kg.activation_operand(xt, order="wgmma")
+            y_w = wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, wc, wsc, wsd, torch.float32, tok)
+            y_t = kg.grouped_w4a4(qa0, offs, wc, wsc, wsd, out_dtype=torch.float32, use_asm=asm, a_rows=tok, **kw)
+            r["wgmma_rel_err_vs_triton"] = ((y_w - y_t)[:rows].norm() / y_t[:rows].norm()).item()
+            r["wgmma_gemm_us"] = bench(
+                lambda: wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok)
+            )
+
+            def wgmma_step():
+                op = kg.activation_operand(xt, check=False, order="wgmma")
+                return wg.grouped_w4a4_wgmma(op.values, op.global_decode, offs, wc, wsc, wsd, a_rows=tok)
+
+            r["wgmma_total_us"] = bench(wgmma_step)
+            r["wgmma_vs_bf16"] = r["bf16_us"] / r["wgmma_total_us"]
         r["w4a4_total_eager_us"] = bench_eager(w4a4_step)  # with Python launch overhead, no graph
         for ratio in (0.125, 0.25, 0.5):
             nch = RACConfig(ratio=ratio).num_channels(HIDDEN)
@@ -280,8 +300,13 @@ def time_moe_block(tokens_list, log) -> list[dict]:
                 moe.LayerRAC(moe.GemmRAC(dynamic_channels=HIDDEN // 2), moe.GemmRAC(dynamic_channels=INTER // 2)),
             ),
         ):
-            r[f"{tag}_block_us"] = bench(lambda rac=rac: moe.moe_w4a4(x, ids, tw, weights, rac, check=False))
+            r[f"{tag}_block_us"] = bench(
+                lambda rac=rac: moe.moe_w4a4(x, ids, tw, weights, rac, check=False, impl="triton")
+            )
             r[f"{tag}_vs_bf16"] = r["bf16_block_us"] / r[f"{tag}_block_us"]
+        if moe.hopper_gemm_usable(x.device, weights):
+            r["wgmma_block_us"] = bench(lambda: moe.moe_w4a4(x, ids, tw, weights, check=False, impl="wgmma"))
+            r["wgmma_block_vs_bf16"] = r["bf16_block_us"] / r["wgmma_block_us"]
         rows.append(r)
         log(json.dumps(r))
     return rows
@@ -299,11 +324,13 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str, blocks: l
         "Peers: torch._grouped_mm (bf16) and torch._scaled_grouped_mm",
         "(FP8 rowwise, activation quant not timed). Ratios > 1 mean ours is faster. Roofline: 4.0 TB/s.",
         "All times are medians of CUDA-graph replays (launch overhead excluded) unless marked eager.",
+        "Gluon wgmma = kernels/w4a4_wgmma.py (decoded weights as wgmma's register operand, tokens as its N)",
+        "at its default tiles, with the activation operand in its order; quant + GEMM like the W4A4 column.",
         "",
         "| tokens | rows | bf16 us | fp8 us | W4A4 us (quant; gemm) | vs bf16 | vs fp8 | % HBM roofline "
         "| RAC 12.5% extra | RAC 25% extra | RAC 50% extra | gemm ptx / int-op decode us | eager W4A4 us "
-        "| dynamic RAC 50% extra | codes path us (RAC 50%) | config |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| dynamic RAC 50% extra | codes path us (RAC 50%) | config | Gluon wgmma us (gemm) | wgmma vs bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res:
         lines.append(
@@ -315,7 +342,9 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str, blocks: l
             f"/ {r.get('best_gemm_us_intop_decode', float('nan')):.1f} "
             f"| {r['w4a4_total_eager_us']:.1f} | {r['dyn50_extra_pct']:.1f}% "
             f"| {r['codes_path_total_us']:.1f} ({r['rac50.0_codes_path_total_us']:.1f}) "
-            f"| {r['config']} |"
+            f"| {r['config']} | {r.get('wgmma_total_us', float('nan')):.1f} "
+            f"({r.get('wgmma_gemm_us', float('nan')):.1f}) "
+            f"| {r.get('wgmma_vs_bf16', float('nan')):.2f} |"
         )
     lines += [
         "",
@@ -336,13 +365,15 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str, blocks: l
             "Whole expert block (route + fc1 + SiLU*up + fc2 + top-k combine; quads_megatron.moe_w4a4 as the",
             "SGLang quads_nvfp4 method runs it) vs the same block on torch._grouped_mm (bf16); CUDA-graph replays.",
             "",
-            "| tokens | bf16 block us | W4A4 block us | vs bf16 | W4A4 + dynamic RAC 50% us | vs bf16 |",
-            "|---|---|---|---|---|---|",
+            "| tokens | bf16 block us | W4A4 block us | vs bf16 | W4A4 + dynamic RAC 50% us | vs bf16 "
+            "| W4A4 block, Gluon wgmma GEMMs us | vs bf16 |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for b in blocks:
             lines.append(
                 f"| {b['tokens']} | {b['bf16_block_us']:.1f} | {b['w4a4_block_us']:.1f} | {b['w4a4_vs_bf16']:.2f} "
-                f"| {b['dyn50_block_us']:.1f} | {b['dyn50_vs_bf16']:.2f} |"
+                f"| {b['dyn50_block_us']:.1f} | {b['dyn50_vs_bf16']:.2f} "
+                f"| {b.get('wgmma_block_us', float('nan')):.1f} | {b.get('wgmma_block_vs_bf16', float('nan')):.2f} |"
             )
     lines += ["", "GPU checks:", ""] + [f"- {k}: {v}" for k, v in chk.items()]
     return "\n".join(lines) + "\n"

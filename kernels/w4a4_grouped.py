@@ -109,11 +109,13 @@ def _encode_store_chunk(
     HAS_RES: tl.constexpr,
     DYNAMIC: tl.constexpr,
     OPERAND: tl.constexpr,
+    WGMMA_ORDER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Encode columns [k0, k0+BLOCK_K) of BLOCK_M rows (x0/x1: even/odd fp32 [BLOCK_M, BLOCK_K/2]) and store
-    codes and scales, or (OPERAND) the decoded fp16 GEMM operand [M, 2, K/2] (see activation_operand)."""
+    codes and scales, or (OPERAND) the decoded fp16 GEMM operand: [M, 2, K/2], or (WGMMA_ORDER) [M, K] in
+    w4a4_wgmma.operand_permutation's order (see activation_operand)."""
     HALF: tl.constexpr = BLOCK_K // 2
     NB: tl.constexpr = BLOCK_K // 16
     pairs = k0 // 2 + tl.arange(0, HALF)
@@ -152,10 +154,18 @@ def _encode_store_chunk(
     elif OPERAND:
         v0 = v0 * 0.0078125
         v1 = v1 * 0.0078125
-    if OPERAND:  # [M, 2, K/2]: even elements, then odd elements of each row
-        base = op_ptr + rows64[:, None] * K + pairs[None, :]
-        tl.store(base, v0.to(tl.float16), mask=pmask)
-        tl.store(base + K // 2, v1.to(tl.float16), mask=pmask)
+    if OPERAND:
+        if WGMMA_ORDER:  # pair p = 64c + pp (bits pp5..pp0) -> 128c + (pp3 pp2 s pp1 pp5 pp4 pp0), s = odd
+            pp = pairs % 64
+            pos = (pairs // 64) * 128 + ((pp >> 3) & 1) * 64 + ((pp >> 2) & 1) * 32 + ((pp >> 1) & 1) * 8
+            pos += (pp >> 5) * 4 + ((pp >> 4) & 1) * 2 + (pp & 1)
+            base = op_ptr + rows64[:, None] * K + pos[None, :]
+            tl.store(base, v0.to(tl.float16), mask=pmask)
+            tl.store(base + 16, v1.to(tl.float16), mask=pmask)
+        else:  # [M, 2, K/2]: even elements, then odd elements of each row
+            base = op_ptr + rows64[:, None] * K + pairs[None, :]
+            tl.store(base, v0.to(tl.float16), mask=pmask)
+            tl.store(base + K // 2, v1.to(tl.float16), mask=pmask)
 
 
 @triton.jit
@@ -220,6 +230,7 @@ def _act_quant_kernel(
     HAS_RES: tl.constexpr,
     DYNAMIC: tl.constexpr,
     OPERAND: tl.constexpr,
+    WGMMA_ORDER: tl.constexpr,
     GATED: tl.constexpr,
     HAS_VALID: tl.constexpr,
     X_BF16: tl.constexpr,
@@ -259,6 +270,7 @@ def _act_quant_kernel(
             HAS_RES,
             DYNAMIC,
             OPERAND,
+            WGMMA_ORDER,
             BLOCK_M,
             BLOCK_K,
         )
@@ -293,6 +305,7 @@ def _act_quant_kernel(
                 HAS_RES,
                 DYNAMIC,
                 OPERAND,
+                WGMMA_ORDER,
                 BLOCK_M,
                 BLOCK_K,
             )
@@ -302,14 +315,17 @@ def _act_quant_kernel(
 class ActivationOperand:
     """The Hopper GEMM's activation operand for x [M, K], made once per GEMM.
 
-    values: fp16 [M, 2, K/2] = (value(q) * s_b [+ value(q_r) * s_r]) * 2^-7: even elements, then odd
-        elements of each row; exactly what the GEMM would decode from the codes in registers, with
-        the RAC residual already folded in (fp16 sum, see the module docstring).
+    values: fp16 (value(q) * s_b [+ value(q_r) * s_r]) * 2^-7, exactly what the GEMM would decode
+        from the codes in registers, with the RAC residual already folded in (fp16 sum, see the
+        module docstring). order "pairs": [M, 2, K/2], even elements then odd elements of each row
+        (grouped_w4a4); order "wgmma": [M, K] permuted inside each 128-chunk as
+        w4a4_wgmma.operand_permutation (the Hopper Gluon GEMM).
     global_decode: S_dec [M, 1] of the per-token (or static) global scale.
     """
 
     values: torch.Tensor
     global_decode: torch.Tensor
+    order: str = "pairs"
 
 
 def _launch_act_quant(
@@ -325,7 +341,10 @@ def _launch_act_quant(
     dynamic_channels,
     gated=False,
     row_valid=None,
+    order="pairs",
 ):
+    if order not in ("pairs", "wgmma"):
+        raise NVFP4InputError(f"operand order must be 'pairs' or 'wgmma', got {order!r}")
     if check:
         nvfp4.check_quantizable(x, "activation")
     if x.dim() != 2:
@@ -355,7 +374,9 @@ def _launch_act_quant(
     has_res = n_sel > 0 or (plan is not None and plan.blocks.numel() > 0)
     sdec = torch.empty((m,), dtype=torch.float32, device=dev)
     if operand:
-        op = torch.empty((m, 2, k // 2), dtype=torch.float16, device=dev)
+        if order == "wgmma" and k % 128:
+            raise NVFP4InputError(f"the wgmma operand order needs K % 128 == 0, got K={k}")
+        op = torch.empty((m, k) if order == "wgmma" else (m, 2, k // 2), dtype=torch.float16, device=dev)
         codes = scales = rcodes = rscales = op  # not written in operand mode
     else:
         op = sdec  # not written
@@ -389,6 +410,7 @@ def _launch_act_quant(
         HAS_RES=has_res,
         DYNAMIC=n_sel > 0,
         OPERAND=operand,
+        WGMMA_ORDER=order == "wgmma",
         GATED=gated,
         HAS_VALID=row_valid is not None,
         X_BF16=x.dtype == torch.bfloat16,
@@ -399,7 +421,7 @@ def _launch_act_quant(
     )
     g = sdec.reshape(m, 1)
     if operand:
-        return ActivationOperand(op, g)
+        return ActivationOperand(op, g, order)
     xq = NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), g)
     res = NVFP4Tensor(rcodes, rscales.view(torch.float8_e4m3fn), g) if has_res else None
     return QuantizedActivation(xq, res)
@@ -441,6 +463,7 @@ def activation_operand(
     dynamic_channels: int = 0,
     gated: bool = False,
     row_valid: torch.Tensor | None = None,
+    order: str = "pairs",
 ) -> ActivationOperand:
     """Quantize x like quantize_activation, but emit the GEMM's decoded fp16 operand instead of codes
     (same arguments). The Hopper GEMM then decodes only the weights, and RAC costs it nothing.
@@ -448,6 +471,7 @@ def activation_operand(
     gated: x is fc1's output [M, 2I] = [gate | up] (bf16/fp16) and the operand is made for
     moe_w4a4.gated_activation(x) [M, I] (SiLU in fp32, rounded to x.dtype) without writing it.
     row_valid: bool/int8 [M]; rows where it is 0 are quantized as zeros (foreign-expert rows).
+    order: "pairs" for grouped_w4a4, "wgmma" for w4a4_wgmma.grouped_w4a4_wgmma (see ActivationOperand).
     """
     return _launch_act_quant(
         x,
@@ -462,6 +486,7 @@ def activation_operand(
         dynamic_channels,
         gated,
         row_valid,
+        order,
     )
 
 
@@ -576,7 +601,7 @@ def _grouped_w4a4_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid = tl.program_id(1)  # N tiles vary fastest: a row tile's activations are re-read from L2, not HBM
     total = tl.load(tiles_ptr + E)
     if pid >= total:
         return
@@ -597,7 +622,7 @@ def _grouped_w4a4_kernel(
         arows64 = tl.load(arows_ptr + rows, mask=rmask, other=0).to(tl.int64)
     else:
         arows64 = rows64
-    ncols = tl.program_id(1) * BN + tl.arange(0, BN)
+    ncols = tl.program_id(0) * BN + tl.arange(0, BN)
     nmask = ncols < N
     wrow = e.to(tl.int64) * N + ncols.to(tl.int64)
     acc = tl.zeros((BM, BN), tl.float32)
@@ -712,6 +737,8 @@ def grouped_w4a4(
     e_count, n, k_half = w_codes.shape
     k = k_half * 2
     a_operand = isinstance(qa, ActivationOperand)
+    if a_operand and qa.order != "pairs":
+        raise NVFP4InputError(f"grouped_w4a4 reads the 'pairs' operand order, not {qa.order!r} (w4a4_wgmma's)")
     m, act_k = (
         (qa.values.shape[0], qa.values.shape[2] * 2) if a_operand else (qa.x.codes.shape[0], qa.x.codes.shape[1] * 2)
     )
@@ -748,7 +775,7 @@ def grouped_w4a4(
         a, a_s = qa.x.codes, qa.x.block_scales.view(torch.uint8)
     if use_asm is None:  # PTX decode on a GPU; the interpreter runs the integer-op twin
         use_asm = dev.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-    grid = (triton.cdiv(m, block_m) + e_count, triton.cdiv(n, block_n))
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m) + e_count)
     _LAST_COMPILED[0] = _grouped_w4a4_kernel[grid](
         a,
         a_s,

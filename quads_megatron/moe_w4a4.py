@@ -160,9 +160,10 @@ def moe_w4a4(
 ) -> torch.Tensor:
     """MoE experts of x [T, H] (bf16/fp16) with topk_ids/topk_weights [T, k] -> [T, H] in x.dtype.
 
-    impl: 'reference' (torch), 'triton' (Hopper kernels; CPU only under TRITON_INTERPRET=1), or
-    'auto' (triton on CUDA, reference elsewhere). check: refuse NaN/Inf in x (a host sync; pass
-    False inside CUDA-graph capture). Nothing else syncs with the host on the Triton path.
+    impl: 'reference' (torch), 'triton' (Triton kernels; CPU only under TRITON_INTERPRET=1), 'wgmma'
+    (the expert GEMMs on the Gluon Hopper kernel instead: sm_90, K % 128 == 0, N % 64 == 0), or
+    'auto' (wgmma where it runs, else triton on CUDA, reference elsewhere). check: refuse NaN/Inf in x (a host
+    sync; pass False inside CUDA-graph capture). Nothing else syncs with the host on the Triton path.
     """
     if x.dim() != 2 or x.shape[1] != weights.hidden:
         raise NVFP4InputError(f"hidden states must be [T, {weights.hidden}], got {tuple(x.shape)}")
@@ -171,9 +172,11 @@ def moe_w4a4(
             f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} must both be [T={x.shape[0]}, k]"
         )
     if impl == "auto":
-        impl = "triton" if x.is_cuda else "reference"
-    if impl not in ("reference", "triton"):
-        raise NVFP4InputError(f"impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+        impl = ("wgmma" if hopper_gemm_usable(x.device, weights) else "triton") if x.is_cuda else "reference"
+    if impl not in ("reference", "triton", "wgmma"):
+        raise NVFP4InputError(f"impl must be 'auto', 'reference', 'triton' or 'wgmma', got {impl!r}")
+    if impl == "wgmma" and not hopper_gemm_usable(x.device, weights):
+        raise NVFP4InputError("impl='wgmma' needs an sm_90 GPU, H and I multiples of 128 and a Triton with Gluon")
     check_activation(activation)  # before any work, on both paths
     if x.shape[0] == 0:  # idle batch (e.g. data-parallel attention ranks without tokens)
         return torch.empty_like(x)
@@ -184,7 +187,7 @@ def moe_w4a4(
         return combine(y2, order, valid, topk_weights).to(x.dtype)
     from quads_megatron.kernels import moe_combine
 
-    y2 = _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check)
+    y2 = _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, impl == "wgmma")
     return moe_combine.combine(y2, order, topk_ids, topk_weights, weights.num_experts, x.dtype)
 
 
@@ -201,26 +204,42 @@ def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activa
     return gemm(h, "w2", rac.fc2, static_amax[1])
 
 
-def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check):
+def hopper_gemm_usable(device: torch.device, weights: ExpertWeights) -> bool:
+    """Whether both expert GEMMs can run on the Gluon Hopper kernel (kernels/w4a4_wgmma.py) here."""
+    if device.type != "cuda":
+        return False
+    try:
+        from quads_megatron.kernels import w4a4_wgmma as wg
+    except ImportError:  # a Triton without Gluon's Hopper API
+        return False
+    h, i = weights.hidden, weights.intermediate
+    return wg.usable(device, 2 * i, h) and wg.usable(device, h, i)
+
+
+def _expert_gemm(op, offs, codes, scales, sdec, out_dtype, a_rows=None):
+    from quads_megatron.kernels import w4a4_grouped as kg
+
+    if op.order == "wgmma":
+        from quads_megatron.kernels import w4a4_wgmma as wg
+
+        return wg.grouped_w4a4_wgmma(op.values, op.global_decode, offs, codes, scales, sdec, out_dtype, a_rows)
+    rows = op.values.shape[0] if a_rows is None else a_rows.numel()
+    cfg = kg.gemm_config(rows, codes.shape[2] * 2)
+    return kg.grouped_w4a4(op, offs, codes, scales, sdec, out_dtype=out_dtype, a_rows=a_rows, **cfg)
+
+
+def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, wgmma):
     """fc1 reads the per-token operand through the grouped rows' token index (no gathered copy);
-    SiLU(gate) * up and the foreign-row mask are fused into fc2's activation quantization."""
+    SiLU(gate) * up and the foreign-row mask are fused into fc2's activation quantization.
+    wgmma: operands in the Gluon kernel's order, GEMMs on it."""
     from quads_megatron.kernels import w4a4_grouped as kg
 
     g1, g2 = rac.fc1, rac.fc2
+    order = "wgmma" if wgmma else "pairs"
     op = kg.activation_operand(  # once per token
-        x, g1.plan, static_amax[0], check=check, block_mask=g1.mask, dynamic_channels=g1.dynamic_channels
+        x, g1.plan, static_amax[0], check=check, block_mask=g1.mask, dynamic_channels=g1.dynamic_channels, order=order
     )
-    rows = tokens.numel()
-    y1 = kg.grouped_w4a4(
-        op,
-        offs,
-        weights.w13_codes,
-        weights.w13_scales,
-        weights.w13_sdec,
-        out_dtype=x.dtype,
-        a_rows=tokens,
-        **kg.gemm_config(rows, weights.hidden),
-    )
+    y1 = _expert_gemm(op, offs, weights.w13_codes, weights.w13_scales, weights.w13_sdec, x.dtype, a_rows=tokens)
     op2 = kg.activation_operand(  # of gated_activation(y1), zero on foreign rows; finite by construction
         y1,
         g2.plan,
@@ -230,13 +249,6 @@ def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activatio
         dynamic_channels=g2.dynamic_channels,
         gated=True,
         row_valid=valid,
+        order=order,
     )
-    return kg.grouped_w4a4(
-        op2,
-        offs,
-        weights.w2_codes,
-        weights.w2_scales,
-        weights.w2_sdec,
-        out_dtype=x.dtype,
-        **kg.gemm_config(rows, weights.intermediate),
-    )
+    return _expert_gemm(op2, offs, weights.w2_codes, weights.w2_scales, weights.w2_sdec, x.dtype)

@@ -5,7 +5,9 @@ test_megatron_patch / test_moe_w4a4 cover the same contracts through the CPU pat
   x @ qdq(W)^T, STE gradients, one QDQ per weight version, with the Triton QDQ twin;
 * the rollout MoE block (the SGLang method's forward) at Qwen3-30B-A3B expert sizes: Triton path
   vs reference, strided S_dec views, and CUDA-graph capture (no host sync on the serving path);
-* the block's fused pieces on the GPU: token-indexed fc1 rows, gated fc2 quantization, combine.
+* the block's fused pieces on the GPU: token-indexed fc1 rows, gated fc2 quantization, combine;
+* the Gluon Hopper GEMM (kernels/w4a4_wgmma.py) against the Triton GEMM on every tile it may pick,
+  and the whole block on it (moe_w4a4's default on an H200).
 """
 
 import pytest
@@ -78,8 +80,9 @@ def moe_case(t, seed=0):
     return x, ids, tw, w
 
 
+@pytest.mark.parametrize("impl", ["triton", "wgmma"])
 @pytest.mark.parametrize("rac", ["plain", "static", "dynamic"])
-def test_moe_block_triton_matches_reference_on_gpu(rac):
+def test_moe_block_triton_matches_reference_on_gpu(rac, impl):
     from quads_megatron import w4a4
     from quads_megatron.moe_w4a4 import ExpertWeights, GemmRAC, LayerRAC, moe_w4a4
 
@@ -94,12 +97,12 @@ def test_moe_block_triton_matches_reference_on_gpu(rac):
     }
     r = racs[rac].on("cuda")
     ref = moe_w4a4(x, ids, tw, w, r, impl="reference").float()
-    got = moe_w4a4(x, ids, tw, w, r, impl="triton").float()
+    got = moe_w4a4(x, ids, tw, w, r, impl=impl).float()
     assert ((got - ref).norm() / ref.norm()).item() < 5e-3  # 1-ulp bf16 differences after fc1 only
     # the serving engine's S_dec is the gate column of an [E, 2] tensor: read through the stride
     s13 = torch.stack([w.w13_sdec, w.w13_sdec], 1)
     strided = ExpertWeights(w.w13_codes, w.w13_scales, s13[:, 0], w.w2_codes, w.w2_scales, w.w2_sdec)
-    assert torch.equal(moe_w4a4(x, ids, tw, strided, r, impl="triton").float(), got)
+    assert torch.equal(moe_w4a4(x, ids, tw, strided, r, impl=impl).float(), got)
 
 
 def test_moe_block_captures_in_a_cuda_graph():
@@ -155,3 +158,62 @@ def test_fused_block_pieces_on_gpu():
 
 def _w13(w):
     return w.w13_codes, w.w13_scales, w.w13_sdec
+
+
+@pytest.mark.parametrize("layer", ["fc1", "fc2"])
+def test_wgmma_gemm_matches_the_triton_gemm(layer):
+    """Same exact products, fp32 sums in another order: equal to ~1e-7 relative, on every tile
+    (row tails, an expert without rows, token-indexed and plain rows)."""
+    from quads_megatron.kernels import w4a4_grouped as kg
+    from quads_megatron.kernels import w4a4_wgmma as wg
+
+    from quads_megatron import nvfp4
+    from quads_megatron.moe_w4a4 import route
+
+    n, k = (2 * INTER, H) if layer == "fc1" else (H, INTER)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w = kg.stack_expert_weights(
+        [nvfp4.quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02) for _ in range(E)]
+    )
+    t = 301
+    ids = torch.stack(
+        [torch.randperm(E - 1, generator=g, device="cuda")[:TOPK] for _ in range(t)]
+    )  # expert 15: no rows
+    order, offs, _ = route(ids, E)
+    tok = order // TOPK
+    x = (
+        torch.randn(t, k, generator=g, device="cuda") * torch.exp(torch.randn(k, generator=g, device="cuda"))
+    ).bfloat16()
+    pairs, perm = kg.activation_operand(x), kg.activation_operand(x, order="wgmma")
+    rows = int(offs[-1])  # grouped rows of local experts
+    gathered = kg.ActivationOperand(pairs.values[tok], pairs.global_decode[tok])
+    for a_rows in (tok, None):  # token-indexed rows, or one operand row per grouped row
+        a, s_dec = (
+            (perm.values, perm.global_decode) if a_rows is not None else (perm.values[tok], perm.global_decode[tok])
+        )
+        want = kg.grouped_w4a4(
+            pairs if a_rows is not None else gathered,
+            offs,
+            *w,
+            out_dtype=torch.float32,
+            a_rows=a_rows,
+            block_m=16,
+            block_n=64,
+        )[:rows]
+        for bt, nw, st, kc in [
+            (16, 4, 3, 1),
+            (16, 8, 8, 1),
+            (32, 8, 6, 1),
+            (32, 8, 4, 2),
+            (64, 8, 4, 1),
+            (128, 8, 4, 1),
+        ]:
+            kw = dict(block_t=bt, num_warps=nw, stages=st, chunks=kc)
+            got = wg.grouped_w4a4_wgmma(a, s_dec, offs, *w, torch.float32, a_rows, **kw)
+            err = ((got[:rows] - want).norm() / want.norm()).item()
+            assert err < 1e-6, (kw, err)
+            assert torch.allclose(got[:rows], want, rtol=1e-4, atol=1e-5 * want.abs().max().item()), kw
+    y = wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, *w, a_rows=tok)[:rows]  # default tiles, bf16
+    y_triton = kg.grouped_w4a4(pairs, offs, *w, a_rows=tok, block_m=16, block_n=64)[:rows]
+    assert y.dtype == torch.bfloat16
+    assert torch.allclose(y.float(), y_triton.float(), rtol=1e-2, atol=1e-3 * y_triton.float().abs().max().item())

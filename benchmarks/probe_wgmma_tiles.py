@@ -1,0 +1,112 @@
+"""Device probe: tiles of the Gluon Hopper W4A4 GEMM (kernels/w4a4_wgmma.py) on the Qwen3-30B-A3B fc1
+shape, per token count, side by side with the Triton GEMM at its gemm_config default and the bf16 /
+FP8 peers; each tile is checked against the Triton GEMM (same exact products, other fp32 order).
+
+python benchmarks/probe_wgmma_tiles.py [--tokens 16,64,256,1024,4096,16384] [--budget-s 300]
+(CUDA GPU; CUDA-graph replay medians; token-indexed rows as moe_w4a4 runs fc1; no RAC)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import triton.testing
+from quads_megatron.kernels import w4a4_grouped as kg
+from quads_megatron.kernels import w4a4_wgmma as wg
+
+from quads_megatron import nvfp4
+from quads_megatron.moe_w4a4 import route
+
+E, HIDDEN, INTER, TOPK = 128, 2048, 768, 8
+
+
+def tiles(rows: int) -> list[tuple[int, int, int, int]]:
+    """(block_t, warps, stages, chunks) worth trying at this many grouped rows."""
+    if rows <= 4096:
+        return [(16, 8, 6, 1), (16, 4, 6, 1), (16, 8, 4, 2), (32, 8, 6, 1), (32, 4, 4, 2)]
+    if rows <= 16384:
+        return [(32, 8, 4, 1), (64, 8, 4, 1), (64, 4, 4, 1), (64, 8, 3, 2)]
+    return [(64, 8, 4, 1), (128, 8, 4, 1), (128, 4, 3, 1), (64, 4, 4, 1)]
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="16,64,256,1024,4096,16384")
+    ap.add_argument("--budget-s", type=float, default=300.0)
+    args = ap.parse_args()
+    t0 = time.time()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(E, 2 * INTER, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+    w_amax = w.float().abs().amax(-1)
+    w8 = (w.float() / (w_amax / 448).unsqueeze(-1)).to(torch.float8_e4m3fn)
+    wc, wsc, wsd = kg.stack_expert_weights([nvfp4.quantize(w[e]) for e in range(E)])
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        ids = torch.randn(tokens, E, generator=g, device="cuda").topk(TOPK, dim=-1).indices
+        order, offs, _ = route(ids, E)
+        tok = (order // TOPK).to(torch.int32)
+        rows = int(offs[-1])
+        xt = (
+            torch.randn(tokens, HIDDEN, generator=g, device="cuda")
+            * torch.exp(torch.randn(HIDDEN, generator=g, device="cuda"))
+        ).bfloat16()
+        x = xt[tok]
+        bf16 = bench(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+        xa = x.float().abs().amax(-1)
+        x8, sx8 = (x.float() / (xa / 448).unsqueeze(-1)).to(torch.float8_e4m3fn), (xa / 448).float()
+        fp8 = bench(
+            lambda: torch._scaled_grouped_mm(
+                x8, w8.transpose(-2, -1), sx8, (w_amax / 448).float(), offs=offs, out_dtype=torch.bfloat16
+            )
+        )
+        pairs, perm = kg.activation_operand(xt), kg.activation_operand(xt, order="wgmma")
+        cfg = kg.gemm_config(rows, HIDDEN)
+        want = kg.grouped_w4a4(pairs, offs, wc, wsc, wsd, out_dtype=torch.float32, a_rows=tok, **cfg)
+        triton_us = bench(lambda cfg=cfg: kg.grouped_w4a4(pairs, offs, wc, wsc, wsd, a_rows=tok, **cfg))
+        print(
+            f"tokens {tokens} rows {rows}: bf16 {bf16:.1f} us, fp8 {fp8:.1f} us, triton gemm {triton_us:.1f} us "
+            f"({bf16 / triton_us:.2f}x bf16)",
+            flush=True,
+        )
+        res = []
+        for bt, nw, st, kc in tiles(rows):
+            if time.time() - t0 > args.budget_s:
+                print("budget spent; stopping", flush=True)
+                break
+            kw = dict(block_t=bt, num_warps=nw, stages=st, chunks=kc)
+            try:
+                got = wg.grouped_w4a4_wgmma(
+                    perm.values, perm.global_decode, offs, wc, wsc, wsd, torch.float32, tok, **kw
+                )
+                err = ((got - want)[:rows].norm() / want[:rows].norm()).item()
+                us = bench(
+                    lambda kw=kw: wg.grouped_w4a4_wgmma(
+                        perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, **kw
+                    )
+                )
+            except Exception as e:  # out of shared memory / registers: report and go on
+                print(f"  tile {kw} failed: {repr(e)[:160]}", flush=True)
+                continue
+            res.append((us, bt, nw, st, kc, err))
+            print(
+                f"  BT{bt} w{nw} s{st} c{kc}: {us:.1f} us  {bf16 / us:.2f}x bf16  {fp8 / us:.2f}x fp8  "
+                f"{triton_us / us:.2f}x triton  rel err vs triton {err:.1e}",
+                flush=True,
+            )
+        if res:
+            best = min(res)
+            d = wg.wgmma_config(rows, 2 * INTER)
+            print(
+                f"  best BT{best[1]} w{best[2]} s{best[3]} c{best[4]} {best[0]:.1f} us; default {d}; "
+                f"max err {max(r[5] for r in res):.1e}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Offline (no GPU): compile the Gluon Hopper W4A4 GEMM (kernels/w4a4_wgmma.py) for sm_90 and report
+what its SASS does.
+
+    python benchmarks/sass_wgmma.py 16,8,8,1 128,8,4,1 [--k 2048] [--json] [--dump DIR]
+
+Per tile (token tile BT, warps, ring stages, 128-K chunks per step): the A operand of each HGMMA
+(a register means the decoded weights feed wgmma directly), the wgmma waits, spills, registers per
+thread, shared memory, and the K loop's instructions per thread and per decoded weight. (Waits of
+0x1 with a register operand corrupted tiles on the H200: the kernel retires every wgmma, 0x0.)
+tests/test_wgmma_gemm.py runs this in a subprocess (Triton's interpreter, used by the other CPU
+tests, must not share the process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+SIGNATURE = {
+    "a_ptr": "*fp16",
+    "asdec_ptr": "*fp32",
+    "w_ptr": "*u8",
+    "ws_ptr": "*u8",
+    "wsdec_ptr": "*fp32",
+    "offs_ptr": "*i32",
+    "tiles_ptr": "*i32",
+    "arows_ptr": "*i64",
+    "y_ptr": "*bf16",
+    "N": "i32",
+    "E": "i32",
+    "wsdec_stride": "i32",
+}
+
+
+def report(block_t: int, num_warps: int, stages: int, chunks: int = 1, k: int = 2048, dump: str | None = None) -> dict:
+    import triton
+    from quads_megatron.kernels import w4a4_wgmma as wg
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    consts = dict(K=k, HAS_AROWS=True, LOG2_E=7, BT=block_t, STAGES=stages, KC=chunks, NW=num_warps)
+    consts["CODES_LAYOUT"] = wg._codes_layout(num_warps)
+    src = GluonASTSource(
+        fn=wg._w4a4_wgmma_kernel,
+        signature={**SIGNATURE, **dict.fromkeys(consts, "constexpr")},
+        constexprs=consts,
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(9)},
+    )
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    sass = compiled.asm["sass"]
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [os.path.join(bin_dir, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True
+        ).stdout
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        with open(os.path.join(dump, f"wgmma_{block_t}_{num_warps}_{stages}_{chunks}.sass"), "w") as out:
+            out.write(sass)
+    lines = sass.splitlines()
+    first_mma = next(i for i, ln in enumerate(lines) if "HGMMA" in ln)
+    loop_end = next(i for i, ln in enumerate(lines) if i > first_mma and "BRA" in ln)  # the back edge
+    target = re.search(r"BRA (\w+)", lines[loop_end]).group(1)
+    loop_top = next(i for i, ln in enumerate(lines) if ln.strip() == f"{target}:")
+    loop = [ln for ln in lines[loop_top + 1 : loop_end + 1] if ln.strip() and not ln.strip().endswith(":")]
+    regs = re.search(r"REG:(\d+)", usage)
+    weights_per_thread = 64 * (num_warps // 4) * 128 * chunks // (32 * num_warps)
+    return {
+        "tile": f"BT{block_t} w{num_warps} s{stages} c{chunks}",
+        "hgmma_a_operands": re.findall(r"HGMMA\.\S+ R\d+, (\S+), gdesc", sass),
+        "hgmma_shape": sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass))),
+        "wgmma_waits": re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass),
+        "spills": "STL" in sass or "LDL" in sass,
+        "regs": int(regs.group(1)) if regs else None,
+        "smem": compiled.metadata.shared,
+        "loop_instructions": len(loop),
+        "per_weight": len(loop) / weights_per_thread,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("tiles", nargs="+", help="BT,warps,stages,chunks")
+    ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--json", action="store_true", help="one JSON list on stdout")
+    ap.add_argument("--dump", default=None, help="also write the SASS here")
+    args = ap.parse_args()
+    out = [report(*(int(v) for v in t.split(",")), k=args.k, dump=args.dump) for t in args.tiles]
+    if args.json:
+        print(json.dumps(out))
+        return
+    for r in out:
+        print(
+            f"{r['tile']}: HGMMA {r['hgmma_shape']} A from "
+            f"{'registers' if r['hgmma_a_operands'][0][0] == 'R' else 'smem'}"
+            f", waits {r['wgmma_waits']}, spills {r['spills']}, {r['regs']} regs, {r['smem']} B smem, "
+            f"loop {r['loop_instructions']} instructions ({r['per_weight']:.2f} per weight)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+"""Hopper (sm_90) grouped W4A4 GEMM in Gluon: FP4 weights decoded straight into wgmma's register operand.
+
+The product is computed transposed, y^T[n, row] = W_e[n, :] . A[row, :], so the decoded weights are
+wgmma's A operand, which may live in registers: no shared-memory round trip for them, and the token
+rows (few per expert at decode sizes) are wgmma's N, which can be as small as 8. Each warpgroup owns
+64 weight rows; a k-step covers 128 elements (64 code bytes per row, 16 per thread).
+
+Operand order ("wgmma"): each thread loads 16 contiguous code bytes of a row and its decoded values
+must land in the registers wgmma reads for its lane. That fixes a permutation of K inside every
+128-element chunk (``operand_permutation``); the activation operand (activation_operand(order=
+"wgmma")) is written in that permuted order, so the GEMM only copies its rows. The sums are the
+same dot products, each accumulated in fp32 in another order than the Triton kernel's.
+
+Pipeline: activation rows (gathered through a_rows), code bytes and scale bytes of a k-step arrive
+by cp.async in a STAGES-deep ring. Each chunk's wgmma is retired before the next decode (see the
+loop: with a register operand, one wgmma in flight across the decode was measured to corrupt
+tiles), so decode and MMA overlap only across warpgroups and CTAs on an SM.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from quads_megatron.kernels.w4a4_grouped import _nibble_ptx, tile_starts
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+from quads_megatron.nvfp4 import NVFP4InputError
+
+CHUNK = 128  # K elements per k-step and per operand permutation chunk
+ROWS_PER_WARPGROUP = 64
+
+
+def operand_permutation(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """int64 [K]: position L of the "wgmma" operand holds activation element perm[L].
+
+    Inside each 128-chunk, with physical bits P = (t1 t0 w1 w0 q1 q0 s) (code byte 16t + 4w + q of
+    a row, s = high nibble), the logical position is L = (w1 w0 s q1 t1 t0 q0): the order in which
+    the decode's registers reach wgmma's A fragment (rows g, g+8; k 2t, 2t+1, 2t+8, 2t+9 per k16).
+    """
+    if k % CHUNK:
+        raise NVFP4InputError(f"the wgmma operand order needs K % {CHUNK} == 0, got K={k}")
+    p = torch.arange(CHUNK)
+    bit = [(p >> i) & 1 for i in range(7)]  # p0 = s, p1 = q0, p2 = q1, p3 = w0, p4 = w1, p5 = t0, p6 = t1
+    logical = (bit[4] << 6) | (bit[3] << 5) | (bit[0] << 4) | (bit[2] << 3) | (bit[6] << 2) | (bit[5] << 1) | bit[1]
+    inv = torch.empty(CHUNK, dtype=torch.int64)
+    inv[logical] = p
+    return (torch.arange(0, k, CHUNK)[:, None] + inv[None, :]).reshape(-1).to(device)
+
+
+@functools.cache
+def _capability_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def usable(device: torch.device, n: int, k: int) -> bool:
+    """Whether this kernel runs for weights [N, K] on device: an sm_90 GPU, K % 128 == 0, N % 64 == 0."""
+    if device.type != "cuda" or k % CHUNK or n % ROWS_PER_WARPGROUP:
+        return False
+    return _capability_ok(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def wgmma_config(rows: int, n: int) -> dict[str, int]:
+    """Tiles by grouped rows (tokens * top-k): token tile BT (wgmma N), warps (64 weight rows per
+    warpgroup), ring depth and 128-K chunks per step, from the H200 sweep
+    (benchmarks/probe_wgmma_tiles.py, 2026-12-02). Decode sizes: 16-32 token tiles; prefill: 64
+    (128-token tiles were slower at every size)."""
+    if rows <= 1024:
+        cfg = dict(block_t=16, num_warps=8, stages=4, chunks=2)
+    elif rows <= 4096:
+        cfg = dict(block_t=32, num_warps=8, stages=6, chunks=1)
+    else:
+        cfg = dict(block_t=64, num_warps=8, stages=4, chunks=1)
+    if n % (ROWS_PER_WARPGROUP * cfg["num_warps"] // 4):
+        cfg["num_warps"] = 4
+    return cfg
+
+
+def _codes_layout(num_warps: int) -> gl.DistributedLinearLayout:
+    """Code bytes of a k-step as [rows, 8 scale blocks, 8 bytes]: a thread holds 16 contiguous bytes
+    (two blocks) of rows g and g+8 of its warp's 16 rows (lane = 4g + t, bytes 16t..16t+15)."""
+    warps = [[16 << i, 0, 0] for i in range((num_warps // 4).bit_length() + 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [8, 0, 0]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=warps,
+        block_bases=[],
+        shape=[ROWS_PER_WARPGROUP * num_warps // 4, 8, 8],
+    )
+
+
+# Triton 3.6 spells the CTA barrier thread_barrier, 3.8 barrier
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+_PTX_LO = gl.constexpr(_nibble_ptx(False))
+_PTX_HI = gl.constexpr(_nibble_ptx(True))
+
+
+@gluon.jit
+def _decode_a(c, sc, BNW: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """Code bytes u8 [BNW, 8, 8] and scale bytes u8 [BNW, 8] of one k-step -> fp16 [BNW, 128]
+    value * s_b * 2^-7 in wgmma's register-operand layout (no data movement: asserted)."""
+    s16 = gl.expand_dims(sc.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0, 2)
+    lo = gl.inline_asm_elementwise(_PTX_LO, "=r,=r,r", [c], dtype=gl.float16, is_pure=True, pack=4) * s16
+    hi = gl.inline_asm_elementwise(_PTX_HI, "=r,=r,r", [c], dtype=gl.float16, is_pure=True, pack=4) * s16
+    v = gl.reshape(gl.join(lo, hi), [BNW, 2, 2, 2, 2, 2, 2, 2])  # n, t1, t0, w1, w0, q1, q0, s
+    v = gl.reshape(gl.permute(v, [0, 3, 4, 7, 5, 1, 2, 6]), [BNW, 128])  # n, w1, w0, s, q1, t1, t0, q0
+    return gl.convert_layout(v, A_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, step, slot, KC: gl.constexpr):
+    """cp.async the activation rows, code bytes and scale bytes of k-step `step` (KC chunks) into `slot`."""
+    for ch in gl.static_range(KC):
+        j = step * KC + ch
+        async_copy.async_copy_global_to_shared(b_smem.index(slot * KC + ch), b_ptrs + j * 128)
+        async_copy.async_copy_global_to_shared(w_smem.index(slot * KC + ch), w_ptrs + j * 64)
+        async_copy.async_copy_global_to_shared(s_smem.index(slot * KC + ch), s_ptrs + j * 8)
+
+
+@gluon.jit
+def _w4a4_wgmma_kernel(
+    a_ptr,
+    asdec_ptr,
+    w_ptr,
+    ws_ptr,
+    wsdec_ptr,
+    offs_ptr,
+    tiles_ptr,
+    arows_ptr,
+    y_ptr,
+    N,
+    E,
+    wsdec_stride,
+    K: gl.constexpr,
+    HAS_AROWS: gl.constexpr,
+    LOG2_E: gl.constexpr,
+    BT: gl.constexpr,
+    STAGES: gl.constexpr,
+    KC: gl.constexpr,
+    NW: gl.constexpr,
+    CODES_LAYOUT: gl.constexpr,
+):
+    BNW: gl.constexpr = 64 * (NW // 4)
+    NK: gl.constexpr = K // (128 * KC)  # k-steps of KC chunks
+    pid = gl.program_id(1)  # N tiles vary fastest: a token tile's rows are re-read from L2, not HBM
+    total = gl.load(tiles_ptr + E)
+    if pid >= total:
+        return
+    lo = 0
+    hi = E - 1
+    for _ in gl.static_range(LOG2_E):  # expert e with tiles[e] <= pid < tiles[e+1]
+        mid = (lo + hi) // 2
+        go_right = gl.load(tiles_ptr + mid + 1) <= pid
+        lo = gl.where(go_right, mid + 1, lo)
+        hi = gl.where(go_right, hi, mid)
+    e = lo
+    row_begin = gl.where(e > 0, gl.load(offs_ptr + e - 1, mask=e > 0, other=0), 0)
+    row_end = gl.load(offs_ptr + e)
+    t0 = row_begin + (pid - gl.load(tiles_ptr + e)) * BT
+    n0 = gl.program_id(0) * BNW
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_copy: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])  # [BT, 128] fp16, 16 B each
+    w_copy: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])  # [BNW, 64] u8
+    s_copy: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NW, 1], [1, 0])  # [BNW, 8] u8
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    b_smem = gl.allocate_shared_memory(  # buffer slot * KC + chunk
+        gl.float16, [STAGES * KC, BT, 128], gl.NVMMASharedLayout.get_default_for([BT, 128], gl.float16)
+    )
+    w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * KC, BNW, 64], plain)
+    s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * KC, BNW, 8], plain)
+
+    r = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, b_copy))
+    if HAS_AROWS:
+        tok = gl.load(arows_ptr + r, mask=r < row_end, other=0).to(gl.int64)
+    else:
+        tok = gl.where(r < row_end, r, 0).to(gl.int64)  # rows past the expert copy row 0 (never stored)
+    b_ptrs = a_ptr + tok[:, None] * K + gl.arange(0, 128, layout=gl.SliceLayout(0, b_copy))[None, :]
+    wr = (e * N + n0 + gl.arange(0, BNW, layout=gl.SliceLayout(1, w_copy))).to(gl.int64)
+    w_ptrs = w_ptr + wr[:, None] * (K // 2) + gl.arange(0, 64, layout=gl.SliceLayout(0, w_copy))[None, :]
+    sr = (e * N + n0 + gl.arange(0, BNW, layout=gl.SliceLayout(1, s_copy))).to(gl.int64)
+    s_ptrs = ws_ptr + sr[:, None] * (K // 16) + gl.arange(0, 8, layout=gl.SliceLayout(0, s_copy))[None, :]
+
+    for i in gl.static_range(STAGES - 2):  # prologue: k-steps 0 .. STAGES-3
+        if i < NK:
+            _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, i, i, KC)
+        async_copy.commit_group()
+
+    acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
+    for kk in range(NK):
+        slot = kk % STAGES
+        async_copy.wait_group(STAGES - 3)  # this thread's copies of k-step kk have landed
+        hopper.fence_async_shared()  # ... and are visible to wgmma's (async proxy) reads
+        _cta_barrier()  # everyone's are; every warpgroup has retired the wgmmas of k-step kk-2
+        nxt = kk + STAGES - 2
+        if nxt < NK:  # refill the slot k-step kk-2 used
+            _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, nxt, nxt % STAGES, KC)
+        async_copy.commit_group()
+        for ch in gl.static_range(KC):
+            buf = slot * KC + ch
+            c = w_smem.index(buf).reshape([BNW, 8, 8]).load(CODES_LAYOUT)
+            sc = s_smem.index(buf).load(gl.SliceLayout(2, CODES_LAYOUT))
+            a = _decode_a(c, sc, BNW, a_layout)
+            acc = hopper.warpgroup_mma(a, b_smem.index(buf).permute((1, 0)), acc, is_async=True)
+            # retire it before the next decode: wgmma reads its register operand asynchronously, and
+            # keeping `a` in the wait's deps does not keep the packed registers wgmma reads (Triton 3.6
+            # carries them as 16-bit values), so ptxas reused them in flight (corrupted tiles, H200)
+            acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+    async_copy.wait_group(0)
+
+    cols = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
+    cmask = cols < row_end
+    if HAS_AROWS:
+        ctok = gl.load(arows_ptr + cols, mask=cmask, other=0).to(gl.int64)
+    else:
+        ctok = cols.to(gl.int64)
+    sa = gl.load(asdec_ptr + ctok, mask=cmask, other=0.0)
+    sw = gl.load(wsdec_ptr + e * wsdec_stride)
+    y = ((acc * 16384.0) * sa[None, :] * sw).to(y_ptr.dtype.element_ty)  # undo 2^-7 on each operand
+    out: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, NW], [0, 1])  # 16 B of one row's N per thread
+    y = gl.convert_layout(y, out)
+    on = n0 + gl.arange(0, BNW, layout=gl.SliceLayout(1, out))
+    orow = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, out))
+    gl.store(y_ptr + orow.to(gl.int64)[None, :] * N + on[:, None], y, mask=(orow < row_end)[None, :])
+
+
+def grouped_w4a4_wgmma(
+    values: torch.Tensor,
+    global_decode: torch.Tensor,
+    offs: torch.Tensor,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_sdec: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    a_rows: torch.Tensor | None = None,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+    stages: int | None = None,
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """y [rows, N] = S_dec_a * S_dec_w[e] * (A @ W_e^T) for the grouped rows of offs (see grouped_w4a4).
+
+    values: fp16 [M, K] activation operand in the "wgmma" order; global_decode: fp32 [M] or [M, 1];
+    w_codes u8 [E, N, K/2], w_scales u8 [E, N, K/16], w_sdec fp32 [E] (may be strided); a_rows:
+    optional token index of each grouped row. Tiles default to wgmma_config(rows, N); chunks: 128-K
+    chunks per pipeline step (1 or 2; 1 where K is not a multiple of 256).
+    """
+    e_count, n, k_half = w_codes.shape
+    k = 2 * k_half
+    if values.dim() != 2 or values.shape[1] != k or values.dtype != torch.float16:
+        raise NVFP4InputError(f"wgmma operand must be fp16 [M, {k}], got {values.dtype} {tuple(values.shape)}")
+    if not usable(w_codes.device, n, k):
+        raise NVFP4InputError(f"the Hopper wgmma GEMM needs an sm_90 GPU, K % 128 == 0 and N % 64 == 0 (N={n}, K={k})")
+    m = values.shape[0] if a_rows is None else a_rows.numel()
+    cfg = wgmma_config(m, n)
+    block_t = block_t or cfg["block_t"]
+    num_warps = num_warps or cfg["num_warps"]
+    stages = stages or cfg["stages"]
+    chunks = chunks or cfg["chunks"]
+    if k % (CHUNK * chunks):
+        chunks = 1
+    if n % (ROWS_PER_WARPGROUP * num_warps // 4) or num_warps not in (4, 8) or stages < 3 or chunks not in (1, 2):
+        raise NVFP4InputError(
+            f"bad tiles: num_warps={num_warps} (4 or 8, N % (16 * warps) == 0), stages={stages} >= 3, chunks={chunks}"
+        )
+    dev = w_codes.device
+    offs = offs.to(device=dev, dtype=torch.int32)
+    tiles = tile_starts(offs, block_t)
+    y = torch.empty((m, n), dtype=out_dtype, device=dev)
+    grid = (n // (ROWS_PER_WARPGROUP * num_warps // 4), triton.cdiv(m, block_t) + e_count)
+    _w4a4_wgmma_kernel[grid](
+        values,
+        global_decode.reshape(-1).float(),
+        w_codes,
+        w_scales,
+        w_sdec,
+        offs,
+        tiles,
+        offs if a_rows is None else a_rows.to(dev).contiguous(),
+        y,
+        n,
+        e_count,
+        w_sdec.stride(0),
+        K=k,
+        HAS_AROWS=a_rows is not None,
+        LOG2_E=max(1, (e_count - 1).bit_length()),
+        BT=block_t,
+        STAGES=stages,
+        KC=chunks,
+        NW=num_warps,
+        CODES_LAYOUT=_codes_layout(num_warps),
+        num_warps=num_warps,
+    )
+    return y
