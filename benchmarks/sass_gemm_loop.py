@@ -34,6 +34,19 @@ SIGNATURE = {
 CONSTEXPRS = ["K", "HAS_RES", "HAS_AROWS", "LOG2_E", "USE_ASM", "A_OPERAND", "OUT_BF16", "BM", "BN", "BK"]
 
 
+def registers_per_thread(cubin: bytes) -> int | None:
+    """Registers per thread of a compiled kernel, read by the cuobjdump bundled with Triton."""
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run(
+            [os.path.join(bin_dir, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True
+        ).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    return int(regs.group(1)) if regs else None
+
+
 def loop_stats(bm: int, bn: int, bk: int, warps: int, stages: int, k: int = 2048, a_rows: bool = False, dump=None):
     consts = dict(K=k, HAS_RES=False, HAS_AROWS=a_rows, LOG2_E=7, USE_ASM=True, A_OPERAND=True, OUT_BF16=True)
     consts.update(BM=bm, BN=bn, BK=bk)
@@ -48,25 +61,17 @@ def loop_stats(bm: int, bn: int, bk: int, warps: int, stages: int, k: int = 2048
     sass = compiled.asm["sass"]
     body = re.search(r"^LBB0:\n(.*?)BRA LBB0", sass, re.S | re.M)
     lines = [ln for ln in (body.group(1) if body else "").splitlines() if ln.strip()]
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run(
-            [os.path.join(bin_dir, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True
-        ).stdout
     if dump:
         os.makedirs(dump, exist_ok=True)
         for key in ("ttgir", "sass"):
             with open(os.path.join(dump, f"gemm_{bm}_{bn}_{bk}_{warps}_{stages}.{key}"), "w") as out:
                 out.write(compiled.asm[key])
-    regs = re.search(r"REG:(\d+)", usage)
     return {
         "loop": len(lines),
         "per_weight": len(lines) / (bn * bk / (32 * warps)),
         "moves": sum("MOV" in ln for ln in lines),
         "mma": sum("MMA" in ln for ln in lines),
-        "regs": int(regs.group(1)) if regs else None,
+        "regs": registers_per_thread(compiled.asm["cubin"]),
         "smem": compiled.metadata.shared,
         "mma_version": sorted(set(re.findall(r"versionMajor = (\d)", compiled.asm["ttgir"]))),
     }

@@ -17,9 +17,7 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -45,6 +43,8 @@ def report(block_t: int, num_warps: int, stages: int, chunks: int = 1, k: int = 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    from benchmarks.sass_gemm_loop import registers_per_thread
+
     consts = dict(K=k, HAS_AROWS=True, LOG2_E=7, BT=block_t, STAGES=stages, KC=chunks, NW=num_warps)
     consts["CODES_LAYOUT"] = wg._codes_layout(num_warps)
     src = GluonASTSource(
@@ -55,13 +55,6 @@ def report(block_t: int, num_warps: int, stages: int, chunks: int = 1, k: int = 
     )
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
     sass = compiled.asm["sass"]
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run(
-            [os.path.join(bin_dir, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True
-        ).stdout
     if dump:
         os.makedirs(dump, exist_ok=True)
         with open(os.path.join(dump, f"wgmma_{block_t}_{num_warps}_{stages}_{chunks}.sass"), "w") as out:
@@ -72,7 +65,6 @@ def report(block_t: int, num_warps: int, stages: int, chunks: int = 1, k: int = 
     target = re.search(r"BRA (\w+)", lines[loop_end]).group(1)
     loop_top = next(i for i, ln in enumerate(lines) if ln.strip() == f"{target}:")
     loop = [ln for ln in lines[loop_top + 1 : loop_end + 1] if ln.strip() and not ln.strip().endswith(":")]
-    regs = re.search(r"REG:(\d+)", usage)
     weights_per_thread = 64 * (num_warps // 4) * 128 * chunks // (32 * num_warps)
     return {
         "tile": f"BT{block_t} w{num_warps} s{stages} c{chunks}",
@@ -80,7 +72,7 @@ def report(block_t: int, num_warps: int, stages: int, chunks: int = 1, k: int = 
         "hgmma_shape": sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass))),
         "wgmma_waits": re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass),
         "spills": "STL" in sass or "LDL" in sass,
-        "regs": int(regs.group(1)) if regs else None,
+        "regs": registers_per_thread(compiled.asm["cubin"]),
         "smem": compiled.metadata.shared,
         "loop_instructions": len(loop),
         "per_weight": len(loop) / weights_per_thread,

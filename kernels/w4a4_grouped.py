@@ -311,6 +311,15 @@ def _act_quant_kernel(
             )
 
 
+WGMMA_CHUNK = 128  # K elements per permutation chunk of the "wgmma" operand order (kernels/w4a4_wgmma.py)
+
+
+def check_wgmma_order(k: int) -> None:
+    """The "wgmma" operand order permutes K inside 128-element chunks: K must be a multiple of 128."""
+    if k % WGMMA_CHUNK:
+        raise NVFP4InputError(f"the wgmma operand order needs K % {WGMMA_CHUNK} == 0, got K={k}")
+
+
 @dataclass(frozen=True)
 class ActivationOperand:
     """The Hopper GEMM's activation operand for x [M, K], made once per GEMM.
@@ -374,8 +383,8 @@ def _launch_act_quant(
     has_res = n_sel > 0 or (plan is not None and plan.blocks.numel() > 0)
     sdec = torch.empty((m,), dtype=torch.float32, device=dev)
     if operand:
-        if order == "wgmma" and k % 128:
-            raise NVFP4InputError(f"the wgmma operand order needs K % 128 == 0, got K={k}")
+        if order == "wgmma":
+            check_wgmma_order(k)
         op = torch.empty((m, k) if order == "wgmma" else (m, 2, k // 2), dtype=torch.float16, device=dev)
         codes = scales = rcodes = rscales = op  # not written in operand mode
     else:

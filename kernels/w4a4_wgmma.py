@@ -23,7 +23,7 @@ import functools
 
 import torch
 import triton
-from quads_megatron.kernels.w4a4_grouped import _nibble_ptx, tile_starts
+from quads_megatron.kernels.w4a4_grouped import WGMMA_CHUNK, _nibble_ptx, check_wgmma_order, tile_starts
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from quads_megatron.nvfp4 import NVFP4InputError
 
-CHUNK = 128  # K elements per k-step and per operand permutation chunk
+CHUNK = WGMMA_CHUNK  # K elements per k-step and per operand permutation chunk
 ROWS_PER_WARPGROUP = 64
 
 
@@ -42,8 +42,7 @@ def operand_permutation(k: int, device: torch.device | str = "cpu") -> torch.Ten
     a row, s = high nibble), the logical position is L = (w1 w0 s q1 t1 t0 q0): the order in which
     the decode's registers reach wgmma's A fragment (rows g, g+8; k 2t, 2t+1, 2t+8, 2t+9 per k16).
     """
-    if k % CHUNK:
-        raise NVFP4InputError(f"the wgmma operand order needs K % {CHUNK} == 0, got K={k}")
+    check_wgmma_order(k)
     p = torch.arange(CHUNK)
     bit = [(p >> i) & 1 for i in range(7)]  # p0 = s, p1 = q0, p2 = q1, p3 = w0, p4 = w1, p5 = t0, p6 = t1
     logical = (bit[4] << 6) | (bit[3] << 5) | (bit[0] << 4) | (bit[2] << 3) | (bit[6] << 2) | (bit[5] << 1) | bit[1]
