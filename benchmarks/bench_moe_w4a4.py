@@ -22,7 +22,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# the checkout last: an installed quads_megatron (its kernels/ mapped in) wins over the source tree
+sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
 
 from quads_megatron.kernels import nvfp4_quant  # noqa: E402
 from quads_megatron.kernels import w4a4_grouped as kg  # noqa: E402
@@ -245,6 +246,12 @@ def time_sizes(tokens_list, log) -> list[dict]:
 
             r["wgmma_total_us"] = bench(wgmma_step)
             r["wgmma_vs_bf16"] = r["bf16_us"] / r["wgmma_total_us"]
+        # what moe_w4a4(impl="auto") runs at this many rows on this GPU
+        r["auto_path"] = "wgmma" if "wgmma_total_us" in r and wg.faster_than_triton(rows) else "triton"
+        r["auto_total_us"] = r[f"{'wgmma' if r['auto_path'] == 'wgmma' else 'w4a4'}_total_us"]
+        r["auto_vs_bf16"] = r["bf16_us"] / r["auto_total_us"]
+        if "fp8_us" in r:
+            r["auto_vs_fp8"] = r["fp8_us"] / r["auto_total_us"]
         r["w4a4_total_eager_us"] = bench_eager(w4a4_step)  # with Python launch overhead, no graph
         for ratio in (0.125, 0.25, 0.5):
             nch = RACConfig(ratio=ratio).num_channels(HIDDEN)
@@ -307,6 +314,8 @@ def time_moe_block(tokens_list, log) -> list[dict]:
         if moe.hopper_gemm_usable(x.device, weights):
             r["wgmma_block_us"] = bench(lambda: moe.moe_w4a4(x, ids, tw, weights, check=False, impl="wgmma"))
             r["wgmma_block_vs_bf16"] = r["bf16_block_us"] / r["wgmma_block_us"]
+        r["auto_block_us"] = bench(lambda: moe.moe_w4a4(x, ids, tw, weights, check=False, impl="auto"))
+        r["auto_block_vs_bf16"] = r["bf16_block_us"] / r["auto_block_us"]
         rows.append(r)
         log(json.dumps(r))
     return rows
@@ -326,11 +335,14 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str, blocks: l
         "All times are medians of CUDA-graph replays (launch overhead excluded) unless marked eager.",
         "Gluon wgmma = kernels/w4a4_wgmma.py (decoded weights as wgmma's register operand, tokens as its N)",
         "at its default tiles, with the activation operand in its order; quant + GEMM like the W4A4 column.",
+        "impl='auto' = what moe_w4a4 runs by default on this GPU: the Triton GEMM at <= 1024 grouped rows, the",
+        "Gluon GEMM above (w4a4_wgmma.faster_than_triton, set from the tile sweeps).",
         "",
         "| tokens | rows | bf16 us | fp8 us | W4A4 us (quant; gemm) | vs bf16 | vs fp8 | % HBM roofline "
         "| RAC 12.5% extra | RAC 25% extra | RAC 50% extra | gemm ptx / int-op decode us | eager W4A4 us "
-        "| dynamic RAC 50% extra | codes path us (RAC 50%) | config | Gluon wgmma us (gemm) | wgmma vs bf16 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| dynamic RAC 50% extra | codes path us (RAC 50%) | config | Gluon wgmma us (gemm) | wgmma vs bf16 "
+        "| impl='auto': GEMM, us | auto vs bf16 | auto vs fp8 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res:
         lines.append(
@@ -344,7 +356,8 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str, blocks: l
             f"| {r['codes_path_total_us']:.1f} ({r['rac50.0_codes_path_total_us']:.1f}) "
             f"| {r['config']} | {r.get('wgmma_total_us', float('nan')):.1f} "
             f"({r.get('wgmma_gemm_us', float('nan')):.1f}) "
-            f"| {r.get('wgmma_vs_bf16', float('nan')):.2f} |"
+            f"| {r.get('wgmma_vs_bf16', float('nan')):.2f} | {r['auto_path']}, {r['auto_total_us']:.1f} "
+            f"| {r['auto_vs_bf16']:.2f} | {r.get('auto_vs_fp8', float('nan')):.2f} |"
         )
     lines += [
         "",
@@ -366,14 +379,15 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str, blocks: l
             "SGLang quads_nvfp4 method runs it) vs the same block on torch._grouped_mm (bf16); CUDA-graph replays.",
             "",
             "| tokens | bf16 block us | W4A4 block us | vs bf16 | W4A4 + dynamic RAC 50% us | vs bf16 "
-            "| W4A4 block, Gluon wgmma GEMMs us | vs bf16 |",
-            "|---|---|---|---|---|---|---|---|",
+            "| W4A4 block, Gluon wgmma GEMMs us | vs bf16 | W4A4 block, impl='auto' us | vs bf16 |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for b in blocks:
             lines.append(
                 f"| {b['tokens']} | {b['bf16_block_us']:.1f} | {b['w4a4_block_us']:.1f} | {b['w4a4_vs_bf16']:.2f} "
                 f"| {b['dyn50_block_us']:.1f} | {b['dyn50_vs_bf16']:.2f} "
-                f"| {b.get('wgmma_block_us', float('nan')):.1f} | {b.get('wgmma_block_vs_bf16', float('nan')):.2f} |"
+                f"| {b.get('wgmma_block_us', float('nan')):.1f} | {b.get('wgmma_block_vs_bf16', float('nan')):.2f} "
+                f"| {b['auto_block_us']:.1f} | {b['auto_block_vs_bf16']:.2f} |"
             )
     lines += ["", "GPU checks:", ""] + [f"- {k}: {v}" for k, v in chk.items()]
     return "\n".join(lines) + "\n"

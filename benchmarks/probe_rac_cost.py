@@ -9,7 +9,8 @@ import sys
 import torch
 import triton.testing
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# the checkout last: an installed quads_megatron (its kernels/ mapped in) wins over the source tree
+sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
 from quads_megatron.kernels import w4a4_grouped as kg  # noqa: E402
 
 from benchmarks.bench_moe_w4a4 import HIDDEN, INTER, E, routing  # noqa: E402

@@ -1,14 +1,15 @@
 """Offline (no GPU): compile the Gluon Hopper W4A4 GEMM (kernels/w4a4_wgmma.py) for sm_90 and report
 what its SASS does.
 
-    python benchmarks/sass_wgmma.py 16,8,8,1 128,8,4,1 [--k 2048] [--json] [--dump DIR]
+    python benchmarks/sass_wgmma.py 16,8,4,2,4 64,8,4,1,4 [--k 2048] [--json] [--dump DIR]
 
-Per tile (token tile BT, warps, ring stages, 128-K chunks per step): the A operand of each HGMMA
-(a register means the decoded weights feed wgmma directly), the wgmma waits, spills, registers per
-thread, shared memory, and the K loop's instructions per thread and per decoded weight. (Waits of
-0x1 with a register operand corrupted tiles on the H200: the kernel retires every wgmma, 0x0.)
-tests/test_wgmma_gemm.py runs this in a subprocess (Triton's interpreter, used by the other CPU
-tests, must not share the process).
+Per tile (token tile BT, warps, ring stages, 128-K chunks per step, k-steps per straight-line run):
+the A operand of each HGMMA (a register means the decoded weights feed wgmma directly), the wgmma
+waits (0x1: the next decode overlaps the wgmma), the register hazards sass_hazards finds (a register
+of an in-flight wgmma rewritten: what corrupted tiles on the H200 when a wgmma stayed in flight across
+the loop's back edge), spills, registers per thread, shared memory, and the K loop's instructions per
+thread and per decoded weight. tests/test_wgmma_gemm.py runs this in a subprocess (Triton's
+interpreter, used by the other CPU tests, must not share the process).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# the checkout last: an installed quads_megatron (its kernels/ mapped in) wins over the source tree
+sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
 
 SIGNATURE = {
     "a_ptr": "*fp16",
@@ -37,15 +39,19 @@ SIGNATURE = {
 }
 
 
-def report(block_t: int, num_warps: int, stages: int, chunks: int = 1, k: int = 2048, dump: str | None = None) -> dict:
+def report(
+    block_t: int, num_warps: int, stages: int, chunks: int = 1, unroll: int = 1, k: int = 2048, dump: str | None = None
+) -> dict:
     import triton
     from quads_megatron.kernels import w4a4_wgmma as wg
+    from quads_megatron.kernels.sass_hazards import wgmma_register_hazards
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from benchmarks.sass_gemm_loop import registers_per_thread
 
-    consts = dict(K=k, HAS_AROWS=True, LOG2_E=7, BT=block_t, STAGES=stages, KC=chunks, NW=num_warps)
+    unroll = wg.run_length(k, chunks, unroll)
+    consts = dict(K=k, HAS_AROWS=True, LOG2_E=7, BT=block_t, STAGES=stages, KC=chunks, UNROLL=unroll, NW=num_warps)
     consts["CODES_LAYOUT"] = wg._codes_layout(num_warps)
     src = GluonASTSource(
         fn=wg._w4a4_wgmma_kernel,
@@ -57,20 +63,25 @@ def report(block_t: int, num_warps: int, stages: int, chunks: int = 1, k: int = 
     sass = compiled.asm["sass"]
     if dump:
         os.makedirs(dump, exist_ok=True)
-        with open(os.path.join(dump, f"wgmma_{block_t}_{num_warps}_{stages}_{chunks}.sass"), "w") as out:
+        with open(os.path.join(dump, f"wgmma_{block_t}_{num_warps}_{stages}_{chunks}_{unroll}.sass"), "w") as out:
             out.write(sass)
     lines = sass.splitlines()
+    labels = {ln.strip()[:-1]: i for i, ln in enumerate(lines) if re.fullmatch(r"\w+:", ln.strip())}
     first_mma = next(i for i, ln in enumerate(lines) if "HGMMA" in ln)
-    loop_end = next(i for i, ln in enumerate(lines) if i > first_mma and "BRA" in ln)  # the back edge
-    target = re.search(r"BRA (\w+)", lines[loop_end]).group(1)
-    loop_top = next(i for i, ln in enumerate(lines) if ln.strip() == f"{target}:")
+    loop_end = next(  # the K loop's back edge: the first branch after the first wgmma that jumps above it
+        i
+        for i, ln in enumerate(lines)
+        if i > first_mma and (b := re.search(r"BRA (\w+)", ln)) and labels[b.group(1)] < first_mma
+    )
+    loop_top = labels[re.search(r"BRA (\w+)", lines[loop_end]).group(1)]
     loop = [ln for ln in lines[loop_top + 1 : loop_end + 1] if ln.strip() and not ln.strip().endswith(":")]
-    weights_per_thread = 64 * (num_warps // 4) * 128 * chunks // (32 * num_warps)
+    weights_per_thread = 64 * (num_warps // 4) * 128 * chunks * unroll // (32 * num_warps)
     return {
-        "tile": f"BT{block_t} w{num_warps} s{stages} c{chunks}",
+        "tile": f"BT{block_t} w{num_warps} s{stages} c{chunks} u{unroll}",
         "hgmma_a_operands": re.findall(r"HGMMA\.\S+ R\d+, (\S+), gdesc", sass),
         "hgmma_shape": sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass))),
         "wgmma_waits": re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass),
+        "register_hazards": wgmma_register_hazards(sass),
         "spills": "STL" in sass or "LDL" in sass,
         "regs": registers_per_thread(compiled.asm["cubin"]),
         "smem": compiled.metadata.shared,
@@ -81,7 +92,7 @@ def report(block_t: int, num_warps: int, stages: int, chunks: int = 1, k: int = 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("tiles", nargs="+", help="BT,warps,stages,chunks")
+    ap.add_argument("tiles", nargs="+", help="BT,warps,stages,chunks[,unroll]")
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--json", action="store_true", help="one JSON list on stdout")
     ap.add_argument("--dump", default=None, help="also write the SASS here")
@@ -94,7 +105,8 @@ def main() -> None:
         print(
             f"{r['tile']}: HGMMA {r['hgmma_shape']} A from "
             f"{'registers' if r['hgmma_a_operands'][0][0] == 'R' else 'smem'}"
-            f", waits {r['wgmma_waits']}, spills {r['spills']}, {r['regs']} regs, {r['smem']} B smem, "
+            f", waits {r['wgmma_waits']}, {len(r['register_hazards'])} register hazards"
+            f", spills {r['spills']}, {r['regs']} regs, {r['smem']} B smem, "
             f"loop {r['loop_instructions']} instructions ({r['per_weight']:.2f} per weight)"
         )
 

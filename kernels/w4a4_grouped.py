@@ -155,7 +155,13 @@ def _encode_store_chunk(
         v0 = v0 * 0.0078125
         v1 = v1 * 0.0078125
     if OPERAND:
-        if WGMMA_ORDER:  # pair p = 64c + pp (bits pp5..pp0) -> 128c + (pp3 pp2 s pp1 pp5 pp4 pp0), s = odd
+        if WGMMA_ORDER and BLOCK_K % 128 == 0:  # permute whole 128-chunks in registers, store contiguously
+            v = tl.reshape(tl.join(v0.to(tl.float16), v1.to(tl.float16)), (BLOCK_M, BLOCK_K // 128) + (2,) * 7)
+            # element e = (e6..e0) of a chunk (e0 = odd) goes to (e4 e3 e0 e2 e6 e5 e1), as below
+            v = tl.reshape(tl.permute(v, (0, 1, 4, 5, 8, 6, 2, 3, 7)), (BLOCK_M, BLOCK_K))
+            cols = k0 + tl.arange(0, BLOCK_K)
+            tl.store(op_ptr + rows64[:, None] * K + cols[None, :], v, mask=rmask[:, None] & (cols[None, :] < K))
+        elif WGMMA_ORDER:  # pair p = 64c + pp (bits pp5..pp0) -> 128c + (pp3 pp2 s pp1 pp5 pp4 pp0), s = odd
             pp = pairs % 64
             pos = (pairs // 64) * 128 + ((pp >> 3) & 1) * 64 + ((pp >> 2) & 1) * 32 + ((pp >> 1) & 1) * 8
             pos += (pp >> 5) * 4 + ((pp >> 4) & 1) * 2 + (pp & 1)

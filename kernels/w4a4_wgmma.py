@@ -12,17 +12,22 @@ must land in the registers wgmma reads for its lane. That fixes a permutation of
 same dot products, each accumulated in fp32 in another order than the Triton kernel's.
 
 Pipeline: activation rows (gathered through a_rows), code bytes and scale bytes of a k-step arrive
-by cp.async in a STAGES-deep ring. Each chunk's wgmma is retired before the next decode (see the
-loop: with a register operand, one wgmma in flight across the decode was measured to corrupt
-tiles), so decode and MMA overlap only across warpgroups and CTAs on an SM.
+by cp.async in a STAGES-deep ring. The K loop runs in straight-line runs of UNROLL k-steps: inside a
+run each chunk's decode overlaps the previous chunk's wgmma (wait(1)); the run ends with wait(0). A
+wgmma left in flight across the loop's back edge had ptxas reuse its register operand (corrupted
+tiles on the H200); inside straight-line code ptxas keeps it. sass_hazards checks exactly that on
+each compiled kernel (grouped_w4a4_wgmma falls back to 1-step runs where it finds a hazard).
 """
 
 from __future__ import annotations
 
 import functools
+import subprocess
+import warnings
 
 import torch
 import triton
+from quads_megatron.kernels.sass_hazards import wgmma_register_hazards
 from quads_megatron.kernels.w4a4_grouped import WGMMA_CHUNK, _nibble_ptx, check_wgmma_order, tile_starts
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -57,23 +62,24 @@ def _capability_ok(index: int) -> bool:
 
 
 def usable(device: torch.device, n: int, k: int) -> bool:
-    """Whether this kernel runs for weights [N, K] on device: an sm_90 GPU, K % 128 == 0, N % 64 == 0."""
-    if device.type != "cuda" or k % CHUNK or n % ROWS_PER_WARPGROUP:
+    """Whether this kernel runs for weights [N, K] on device: an sm_90 GPU, K % 128 == 0, K >= 256 (a
+    one-step K loop does not lower in Triton 3.6), N % 64 == 0."""
+    if device.type != "cuda" or k % CHUNK or k < 2 * CHUNK or n % ROWS_PER_WARPGROUP:
         return False
     return _capability_ok(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def wgmma_config(rows: int, n: int) -> dict[str, int]:
     """Tiles by grouped rows (tokens * top-k): token tile BT (wgmma N), warps (64 weight rows per
-    warpgroup), ring depth and 128-K chunks per step, from the H200 sweep
-    (benchmarks/probe_wgmma_tiles.py, 2026-12-02). Decode sizes: 16-32 token tiles; prefill: 64
-    (128-token tiles were slower at every size)."""
-    if rows <= 1024:
-        cfg = dict(block_t=16, num_warps=8, stages=4, chunks=2)
-    elif rows <= 4096:
-        cfg = dict(block_t=32, num_warps=8, stages=6, chunks=1)
+    warpgroup), ring depth, 128-K chunks per step and k-steps per straight-line run, from the H200
+    sweeps (benchmarks/probe_wgmma_tiles.py, 2026-12-02): shallow rings (more CTAs per SM) at decode
+    sizes; multi-step runs (decode overlapping the wgmma) only pay off with 128-token tiles."""
+    if rows <= 4096:
+        cfg = dict(block_t=16, num_warps=8, stages=3, chunks=1, unroll=1)
+    elif rows <= 32768:
+        cfg = dict(block_t=64, num_warps=8, stages=4, chunks=1, unroll=1)
     else:
-        cfg = dict(block_t=64, num_warps=8, stages=4, chunks=1)
+        cfg = dict(block_t=128, num_warps=8, stages=4, chunks=1, unroll=8)
     if n % (ROWS_PER_WARPGROUP * cfg["num_warps"] // 4):
         cfg["num_warps"] = 4
     return cfg
@@ -140,6 +146,7 @@ def _w4a4_wgmma_kernel(
     BT: gl.constexpr,
     STAGES: gl.constexpr,
     KC: gl.constexpr,
+    UNROLL: gl.constexpr,
     NW: gl.constexpr,
     CODES_LAYOUT: gl.constexpr,
 ):
@@ -185,31 +192,40 @@ def _w4a4_wgmma_kernel(
     sr = (e * N + n0 + gl.arange(0, BNW, layout=gl.SliceLayout(1, s_copy))).to(gl.int64)
     s_ptrs = ws_ptr + sr[:, None] * (K // 16) + gl.arange(0, 8, layout=gl.SliceLayout(0, s_copy))[None, :]
 
-    for i in gl.static_range(STAGES - 2):  # prologue: k-steps 0 .. STAGES-3
+    # k-steps in flight ahead of the one computed: a slot is refilled once every warpgroup has retired
+    # the wgmmas that read it, i.e. after the next barrier if each step ends with wait(0) (UNROLL 1),
+    # one barrier later if a wgmma may still be in flight there
+    AHEAD: gl.constexpr = STAGES - 1 if UNROLL == 1 else STAGES - 2
+    for i in gl.static_range(AHEAD):  # prologue: k-steps 0 .. AHEAD-1
         if i < NK:
             _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, i, i, KC)
         async_copy.commit_group()
 
     acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
-    for kk in range(NK):
-        slot = kk % STAGES
-        async_copy.wait_group(STAGES - 3)  # this thread's copies of k-step kk have landed
-        hopper.fence_async_shared()  # ... and are visible to wgmma's (async proxy) reads
-        _cta_barrier()  # everyone's are; every warpgroup has retired the wgmmas of k-step kk-2
-        nxt = kk + STAGES - 2
-        if nxt < NK:  # refill the slot k-step kk-2 used
-            _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, nxt, nxt % STAGES, KC)
-        async_copy.commit_group()
-        for ch in gl.static_range(KC):
-            buf = slot * KC + ch
-            c = w_smem.index(buf).reshape([BNW, 8, 8]).load(CODES_LAYOUT)
-            sc = s_smem.index(buf).load(gl.SliceLayout(2, CODES_LAYOUT))
-            a = _decode_a(c, sc, BNW, a_layout)
-            acc = hopper.warpgroup_mma(a, b_smem.index(buf).permute((1, 0)), acc, is_async=True)
-            # retire it before the next decode: wgmma reads its register operand asynchronously, and
-            # keeping `a` in the wait's deps does not keep the packed registers wgmma reads (Triton 3.6
-            # carries them as 16-bit values), so ptxas reused them in flight (corrupted tiles, H200)
-            acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+    for run in range(NK // UNROLL):
+        # UNROLL k-steps of straight-line code: each chunk's decode overlaps the previous chunk's
+        # wgmma (wait(1)); the run ends with wait(0), so no wgmma is in flight across the back edge
+        # (there ptxas reused the register operand while wgmma still read it; see sass_hazards)
+        for uu in gl.static_range(UNROLL):
+            kk = run * UNROLL + uu
+            slot = kk % STAGES
+            async_copy.wait_group(AHEAD - 1)  # this thread's copies of k-step kk have landed
+            hopper.fence_async_shared()  # ... and are visible to wgmma's (async proxy) reads
+            _cta_barrier()  # everyone's are; the wgmmas of k-step kk+AHEAD-STAGES have retired
+            nxt = kk + AHEAD
+            if nxt < NK:  # refill the slot k-step kk+AHEAD-STAGES used
+                _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, nxt, nxt % STAGES, KC)
+            async_copy.commit_group()
+            for ch in gl.static_range(KC):
+                buf = slot * KC + ch
+                c = w_smem.index(buf).reshape([BNW, 8, 8]).load(CODES_LAYOUT)
+                sc = s_smem.index(buf).load(gl.SliceLayout(2, CODES_LAYOUT))
+                a = _decode_a(c, sc, BNW, a_layout)
+                acc = hopper.warpgroup_mma(a, b_smem.index(buf).permute((1, 0)), acc, is_async=True)
+                if uu * KC + ch == UNROLL * KC - 1:
+                    acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+                else:
+                    acc = hopper.warpgroup_mma_wait(1, deps=[acc])
     async_copy.wait_group(0)
 
     cols = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
@@ -228,6 +244,37 @@ def _w4a4_wgmma_kernel(
     gl.store(y_ptr + orow.to(gl.int64)[None, :] * N + on[:, None], y, mask=(orow < row_end)[None, :])
 
 
+def faster_than_triton(rows: int) -> bool:
+    """Whether this GEMM beat the Triton GEMM (w4a4_grouped) at this many grouped rows in the H200
+    sweeps (2026-12-02, Qwen3-30B-A3B fc1): not at <= 1024 rows (73 / 93 us vs 64 / 91 us at 128 /
+    512 rows), 5-8% faster from 2048 rows up. moe_w4a4's impl='auto' follows it."""
+    return rows > 1024
+
+
+def run_length(k: int, chunks: int, unroll: int) -> int:
+    """k-steps per straight-line run: the largest divisor of the K loop's steps that is <= unroll and
+    leaves at least two runs (a single-run loop does not lower in Triton 3.6)."""
+    steps = k // (CHUNK * chunks)
+    return max(d for d in range(1, max(1, min(unroll, steps // 2)) + 1) if steps % d == 0)
+
+
+_SASS_CHECKED: dict[str, list[str] | None] = {}  # compiled kernel hash -> hazards (None: SASS unreadable)
+_ONE_STEP_RUNS: set[tuple] = set()  # tiles whose multi-step runs were found unsafe or unverifiable
+
+
+def _register_hazards(kernel) -> list[str] | None:
+    """sass_hazards on a compiled kernel, once per compiled variant (a disassembly takes ~0.1-1 s); None
+    where its SASS cannot be read (Triton disassembles with the cuobjdump/nvdisasm it bundles)."""
+    key = getattr(kernel, "hash", None) or str(id(kernel))
+    if key not in _SASS_CHECKED:
+        try:
+            sass = kernel.asm["sass"]
+        except (OSError, RuntimeError, subprocess.CalledProcessError):
+            sass = None
+        _SASS_CHECKED[key] = None if sass is None else wgmma_register_hazards(sass)
+    return _SASS_CHECKED[key]
+
+
 def grouped_w4a4_wgmma(
     values: torch.Tensor,
     global_decode: torch.Tensor,
@@ -241,20 +288,29 @@ def grouped_w4a4_wgmma(
     num_warps: int | None = None,
     stages: int | None = None,
     chunks: int | None = None,
+    unroll: int | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """y [rows, N] = S_dec_a * S_dec_w[e] * (A @ W_e^T) for the grouped rows of offs (see grouped_w4a4).
 
     values: fp16 [M, K] activation operand in the "wgmma" order; global_decode: fp32 [M] or [M, 1];
     w_codes u8 [E, N, K/2], w_scales u8 [E, N, K/16], w_sdec fp32 [E] (may be strided); a_rows:
     optional token index of each grouped row. Tiles default to wgmma_config(rows, N); chunks: 128-K
-    chunks per pipeline step (1 or 2; 1 where K is not a multiple of 256).
+    chunks per pipeline step (1 or 2; 1 where K is not a multiple of 256); unroll: k-steps per
+    straight-line run (run_length); maxnreg: a register cap per thread (None: ptxas decides).
+
+    Each compiled tile's SASS is checked once (sass_hazards): multi-step runs whose wgmma register
+    operand could be rewritten in flight (or whose SASS cannot be read) fall back to 1-step runs,
+    with a warning; a hazard there too raises RuntimeError.
     """
     e_count, n, k_half = w_codes.shape
     k = 2 * k_half
     if values.dim() != 2 or values.shape[1] != k or values.dtype != torch.float16:
         raise NVFP4InputError(f"wgmma operand must be fp16 [M, {k}], got {values.dtype} {tuple(values.shape)}")
     if not usable(w_codes.device, n, k):
-        raise NVFP4InputError(f"the Hopper wgmma GEMM needs an sm_90 GPU, K % 128 == 0 and N % 64 == 0 (N={n}, K={k})")
+        raise NVFP4InputError(
+            f"the Hopper wgmma GEMM needs an sm_90 GPU, K % 128 == 0, K >= 256 and N % 64 == 0 (N={n}, K={k})"
+        )
     m = values.shape[0] if a_rows is None else a_rows.numel()
     cfg = wgmma_config(m, n)
     block_t = block_t or cfg["block_t"]
@@ -263,16 +319,20 @@ def grouped_w4a4_wgmma(
     chunks = chunks or cfg["chunks"]
     if k % (CHUNK * chunks):
         chunks = 1
-    if n % (ROWS_PER_WARPGROUP * num_warps // 4) or num_warps not in (4, 8) or stages < 3 or chunks not in (1, 2):
+    unroll = run_length(k, chunks, unroll or cfg["unroll"])
+    min_stages = 2 if unroll == 1 else 3  # at least one k-step in flight ahead (see AHEAD in the kernel)
+    bad_warps = num_warps not in (4, 8) or n % (ROWS_PER_WARPGROUP * num_warps // 4)
+    if bad_warps or stages < min_stages or chunks not in (1, 2):
         raise NVFP4InputError(
-            f"bad tiles: num_warps={num_warps} (4 or 8, N % (16 * warps) == 0), stages={stages} >= 3, chunks={chunks}"
+            f"bad tiles: num_warps={num_warps} (4 or 8, N % (16 * warps) == 0), stages={stages} "
+            f"(>= {min_stages} with {unroll}-step runs), chunks={chunks} (1 or 2)"
         )
     dev = w_codes.device
     offs = offs.to(device=dev, dtype=torch.int32)
     tiles = tile_starts(offs, block_t)
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
     grid = (n // (ROWS_PER_WARPGROUP * num_warps // 4), triton.cdiv(m, block_t) + e_count)
-    _w4a4_wgmma_kernel[grid](
+    args = (
         values,
         global_decode.reshape(-1).float(),
         w_codes,
@@ -285,14 +345,22 @@ def grouped_w4a4_wgmma(
         n,
         e_count,
         w_sdec.stride(0),
-        K=k,
-        HAS_AROWS=a_rows is not None,
-        LOG2_E=max(1, (e_count - 1).bit_length()),
-        BT=block_t,
-        STAGES=stages,
-        KC=chunks,
-        NW=num_warps,
-        CODES_LAYOUT=_codes_layout(num_warps),
-        num_warps=num_warps,
     )
+    consts = dict(K=k, HAS_AROWS=a_rows is not None, LOG2_E=max(1, (e_count - 1).bit_length()), BT=block_t)
+    consts.update(STAGES=stages, KC=chunks, NW=num_warps, CODES_LAYOUT=_codes_layout(num_warps), num_warps=num_warps)
+    if maxnreg:
+        consts["maxnreg"] = maxnreg
+    tile = (consts["LOG2_E"], k, a_rows is not None, block_t, stages, chunks, num_warps, maxnreg, out_dtype, unroll)
+    if tile in _ONE_STEP_RUNS:
+        unroll = 1
+    kernel = _w4a4_wgmma_kernel[grid](*args, UNROLL=unroll, **consts)
+    found = _register_hazards(kernel)
+    if unroll > 1 and found != []:
+        why = "its SASS could not be read" if found is None else f"{len(found)} register hazards"
+        warnings.warn(f"Gluon GEMM: {unroll}-step runs not verified ({why}); using 1-step runs", stacklevel=2)
+        _ONE_STEP_RUNS.add(tile)
+        kernel = _w4a4_wgmma_kernel[grid](*args, UNROLL=1, **consts)
+        found = _register_hazards(kernel)
+    if found:
+        raise RuntimeError(f"wgmma register hazard in the compiled Gluon GEMM (sass_hazards): {found[:3]}")
     return y

@@ -161,9 +161,10 @@ def moe_w4a4(
     """MoE experts of x [T, H] (bf16/fp16) with topk_ids/topk_weights [T, k] -> [T, H] in x.dtype.
 
     impl: 'reference' (torch), 'triton' (Triton kernels; CPU only under TRITON_INTERPRET=1), 'wgmma'
-    (the expert GEMMs on the Gluon Hopper kernel instead: sm_90, K % 128 == 0, N % 64 == 0), or
-    'auto' (wgmma where it runs, else triton on CUDA, reference elsewhere). check: refuse NaN/Inf in x (a host
-    sync; pass False inside CUDA-graph capture). Nothing else syncs with the host on the Triton path.
+    (the expert GEMMs on the Gluon Hopper kernel instead: sm_90, K % 128 == 0, K >= 256, N % 64 == 0), or
+    'auto' (wgmma where it runs and is the faster GEMM at this many rows, else triton on CUDA, reference
+    elsewhere). check: refuse NaN/Inf in x (a host sync; pass False inside CUDA-graph capture). Nothing
+    else syncs with the host on the Triton path.
     """
     if x.dim() != 2 or x.shape[1] != weights.hidden:
         raise NVFP4InputError(f"hidden states must be [T, {weights.hidden}], got {tuple(x.shape)}")
@@ -172,11 +173,14 @@ def moe_w4a4(
             f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} must both be [T={x.shape[0]}, k]"
         )
     if impl == "auto":
-        impl = ("wgmma" if hopper_gemm_usable(x.device, weights) else "triton") if x.is_cuda else "reference"
+        rows = topk_ids.numel()
+        impl = ("wgmma" if hopper_gemm_usable(x.device, weights, rows) else "triton") if x.is_cuda else "reference"
     if impl not in ("reference", "triton", "wgmma"):
         raise NVFP4InputError(f"impl must be 'auto', 'reference', 'triton' or 'wgmma', got {impl!r}")
     if impl == "wgmma" and not hopper_gemm_usable(x.device, weights):
-        raise NVFP4InputError("impl='wgmma' needs an sm_90 GPU, H and I multiples of 128 and a Triton with Gluon")
+        raise NVFP4InputError(
+            "impl='wgmma' needs an sm_90 GPU, H and I multiples of 128 and >= 256, and a Triton with Gluon"
+        )
     check_activation(activation)  # before any work, on both paths
     if x.shape[0] == 0:  # idle batch (e.g. data-parallel attention ranks without tokens)
         return torch.empty_like(x)
@@ -204,8 +208,9 @@ def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activa
     return gemm(h, "w2", rac.fc2, static_amax[1])
 
 
-def hopper_gemm_usable(device: torch.device, weights: ExpertWeights) -> bool:
-    """Whether both expert GEMMs can run on the Gluon Hopper kernel (kernels/w4a4_wgmma.py) here."""
+def hopper_gemm_usable(device: torch.device, weights: ExpertWeights, rows: int | None = None) -> bool:
+    """Whether both expert GEMMs can run on the Gluon Hopper kernel (kernels/w4a4_wgmma.py) here;
+    with rows (tokens * top-k), also whether it is the faster GEMM there (w4a4_wgmma.faster_than_triton)."""
     if device.type != "cuda":
         return False
     try:
@@ -213,7 +218,8 @@ def hopper_gemm_usable(device: torch.device, weights: ExpertWeights) -> bool:
     except ImportError:  # a Triton without Gluon's Hopper API
         return False
     h, i = weights.hidden, weights.intermediate
-    return wg.usable(device, 2 * i, h) and wg.usable(device, h, i)
+    usable = wg.usable(device, 2 * i, h) and wg.usable(device, h, i)
+    return usable and (rows is None or wg.faster_than_triton(rows))
 
 
 def _expert_gemm(op, offs, codes, scales, sdec, out_dtype, a_rows=None):

@@ -10,6 +10,8 @@ test_megatron_patch / test_moe_w4a4 cover the same contracts through the CPU pat
   and the whole block on it (moe_w4a4's default on an H200).
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -200,16 +202,21 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
             block_m=16,
             block_n=64,
         )[:rows]
-        for bt, nw, st, kc in [
-            (16, 4, 3, 1),
-            (16, 8, 8, 1),
-            (32, 8, 6, 1),
-            (32, 8, 4, 2),
-            (64, 8, 4, 1),
-            (128, 8, 4, 1),
-        ]:
-            kw = dict(block_t=bt, num_warps=nw, stages=st, chunks=kc)
-            got = wg.grouped_w4a4_wgmma(a, s_dec, offs, *w, torch.float32, a_rows, **kw)
+        for bt, nw, st, kc, un, regs in [
+            (16, 4, 3, 1, 1, None),
+            (16, 8, 2, 2, 1, None),
+            (16, 8, 8, 1, 4, None),
+            (16, 8, 4, 2, 4, 128),
+            (32, 8, 3, 2, 1, None),
+            (32, 8, 6, 1, 8, None),
+            (64, 8, 4, 1, 1, None),
+            (128, 8, 4, 1, 4, None),
+        ]:  # unroll: k-steps per straight-line run (each decode but the run's first overlaps a wgmma); unroll 1
+            # with 2 stages: the ring refills the slot of the step just retired
+            kw = dict(block_t=bt, num_warps=nw, stages=st, chunks=kc, unroll=un, maxnreg=regs)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a register-hazard fallback would warn
+                got = wg.grouped_w4a4_wgmma(a, s_dec, offs, *w, torch.float32, a_rows, **kw)
             err = ((got[:rows] - want).norm() / want.norm()).item()
             assert err < 1e-6, (kw, err)
             assert torch.allclose(got[:rows], want, rtol=1e-4, atol=1e-5 * want.abs().max().item()), kw

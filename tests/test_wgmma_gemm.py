@@ -4,8 +4,10 @@
   operand_permutation, bit for bit (TRITON_INTERPRET=1), for plain, RAC and gated inputs;
 * the kernel itself, compiled ahead of time for sm_90 with Triton's own ptxas (no GPU needed): the
   decoded weights feed wgmma straight from registers (the layout conversion is asserted trivial at
-  compile time), no register spills, and each wgmma retires before its register operand is
-  rewritten. Its numbers are checked on the H200 (tests/test_gpu_cuda.py).
+  compile time), no register spills, and no register of an in-flight wgmma is rewritten on any path
+  (kernels/sass_hazards.py, itself checked on hand-written SASS);
+* the host side's use of that check (fallback to 1-step runs), with the compiled kernel faked.
+Its numbers are checked on the H200 (tests/test_gpu_cuda.py).
 """
 
 import json
@@ -28,8 +30,13 @@ def _pairs_to_natural(values: torch.Tensor) -> torch.Tensor:
     return values.permute(0, 2, 1).reshape(values.shape[0], -1)
 
 
-@pytest.mark.parametrize("case", ["plain", "plan", "dynamic", "gated"])
-def test_wgmma_operand_is_the_pairs_operand_permuted(case):
+@pytest.mark.parametrize(
+    "case, block_k",
+    [("plain", None), ("plan", None), ("dynamic", None), ("gated", None), ("plain", 64), ("gated", 128)],
+)
+def test_wgmma_operand_is_the_pairs_operand_permuted(case, block_k):
+    """block_k None: the whole row in registers, 128-chunks permuted there; 64: two passes, chunks too
+    short to permute in registers (scattered stores); 128: two passes of whole chunks."""
     g = torch.Generator().manual_seed(5)
     m, k = 7, 256
     x = (torch.randn(m, 2 * k if case == "gated" else k, generator=g) * 3).bfloat16()
@@ -39,8 +46,8 @@ def test_wgmma_operand_is_the_pairs_operand_permuted(case):
         "dynamic": {"dynamic_channels": 64},
         "gated": {"gated": True, "row_valid": torch.rand(m, generator=g) > 0.3},
     }[case]
-    pairs = kg.activation_operand(x, **kw)
-    got = kg.activation_operand(x, order="wgmma", **kw)
+    pairs = kg.activation_operand(x, block_k=block_k, **kw)
+    got = kg.activation_operand(x, order="wgmma", block_k=block_k, **kw)
     assert got.order == "wgmma" and got.values.shape == (m, k)
     assert torch.equal(got.global_decode, pairs.global_decode)
     assert torch.equal(got.values, _pairs_to_natural(pairs.values)[:, wg.operand_permutation(k)])
@@ -73,12 +80,13 @@ SASS_TOOL = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sass_wg
 
 
 def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
-    """Every tile wgmma_config picks, compiled for sm_90 in a fresh process (the interpreter that the
-    other tests use patches Triton's language in this one)."""
+    """Every tile wgmma_config picks (and a few others), compiled for sm_90 in a fresh process (the
+    interpreter that the other tests use patches Triton's language in this one)."""
     sizes = [(128, 1536), (2048, 1536), (8192, 2048), (131072, 1536)]
+    configs = [wg.wgmma_config(r, n) for r, n in sizes]
     tiles = sorted(
-        {(c["block_t"], c["num_warps"], c["stages"], c["chunks"]) for c in (wg.wgmma_config(r, n) for r, n in sizes)}
-        | {(32, 8, 4, 2)}
+        {(c["block_t"], c["num_warps"], c["stages"], c["chunks"], c["unroll"]) for c in configs}
+        | {(32, 8, 4, 2, 2), (16, 8, 6, 1, 8), (64, 8, 4, 1, 1)}
     )
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run(
@@ -91,10 +99,116 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
     assert out.returncode == 0, out.stderr[-2000:]
     reports = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(reports) == len(tiles)
-    for (bt, _, _, kc), r in zip(tiles, reports, strict=True):
+    for (bt, _, _, kc, un), r in zip(tiles, reports, strict=True):
         assert r["hgmma_shape"] == [f"64x{bt}x16"], r
         # 8 wgmma per 128-K step, A from registers (a shared-memory A would be a second descriptor)
-        assert len(r["hgmma_a_operands"]) == 8 * kc and all(a.startswith("R") for a in r["hgmma_a_operands"]), r
-        # every chunk's wgmma retires before the next decode overwrites its register operand
-        assert set(r["wgmma_waits"]) == {"0x0"} and len(r["wgmma_waits"]) >= kc, r
+        assert len(r["hgmma_a_operands"]) == 8 * kc * un and all(a.startswith("R") for a in r["hgmma_a_operands"]), r
+        # within a run each decode overlaps the previous chunk's wgmma; the run's last chunk retires all
+        assert r["wgmma_waits"][: kc * un] == ["0x1"] * (kc * un - 1) + ["0x0"], r
+        # ... and no register an in-flight wgmma reads or accumulates into is rewritten on any path
+        assert r["register_hazards"] == [], r
         assert not r["spills"] and r["regs"] <= 255 and r["smem"] <= 227 * 1024, r
+
+
+def _sass(*lines: str) -> str:
+    """Triton's SASS dump format: control codes, a tab, the instruction."""
+    return "\n".join(ln if ln.endswith(":") else f"--:-:-:-:1\t{ln};" for ln in lines)
+
+
+MMA = "HGMMA.64x16x16.F32 R24, R40, gdesc[UR8], R24, gsb0"
+
+
+def test_register_hazard_check_on_straight_line_code():
+    from quads_megatron.kernels.sass_hazards import wgmma_register_hazards as hazards
+
+    assert hazards(_sass("WARPGROUP.ARRIVE", MMA, "PRMT R12, R8, 0x1404, RZ", "WARPGROUP.DEPBAR.LE gsb0, 0x0")) == []
+    # a write to the A operand (R40..R43) or the accumulators (R24..R31) before the wait retires them
+    assert len(hazards(_sass(MMA, "PRMT R43, R8, 0x1404, RZ", "WARPGROUP.DEPBAR.LE gsb0, 0x0"))) == 1
+    assert len(hazards(_sass(MMA, "LDS.128 R28, [R2]", "WARPGROUP.DEPBAR.LE gsb0, 0x0"))) == 1
+    assert len(hazards(_sass(MMA, "IMAD.WIDE R39, R2, R3, R4", "WARPGROUP.DEPBAR.LE gsb0, 0x0"))) == 1  # R39, R40
+    # stores and predicated exits write no register; the write after the wait is fine
+    assert hazards(_sass(MMA, "STS [R40], R41", "@P0 EXIT", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "MOV R40, R2")) == []
+    # wait(1) leaves the newest group in flight: the older one is retired, this one is not
+    two = "HGMMA.64x16x16.F32 R56, R44, gdesc[UR8], R56, gsb0"
+    wait1, wait0 = "WARPGROUP.DEPBAR.LE gsb0, 0x1", "WARPGROUP.DEPBAR.LE gsb0, 0x0"
+    assert hazards(_sass(MMA, two, wait1, "MOV R41, R2", wait0)) == []
+    assert len(hazards(_sass(MMA, two, wait1, "MOV R45, R2"))) == 1
+
+
+def test_register_hazard_check_follows_the_loop_back_edge():
+    """The H200 failure: the wait that retires a wgmma sits in the next iteration, after a decode
+    that already rewrote the wgmma's A registers."""
+    from quads_megatron.kernels.sass_hazards import wgmma_register_hazards as hazards
+
+    loop = ["LOOP:", "PRMT R40, R8, 0x1404, RZ", "WARPGROUP.DEPBAR.LE gsb0, 0x0", MMA, "@P1 BRA LOOP", "EXIT"]
+    bad = hazards(_sass(*loop))
+    assert len(bad) == 1 and "PRMT R40" in bad[0]
+    fixed = loop[:1] + loop[2:3] + loop[1:2] + loop[3:]  # the wait before the decode
+    assert hazards(_sass(*fixed)) == []
+    # the loop's exit path runs into the epilogue without a wait: a write there is caught too
+    assert len(hazards(_sass(MMA, "@P1 BRA OUT", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "OUT:", "MOV R26, RZ"))) == 1
+
+
+class _FakeGluonLaunch_NoGPU:
+    """Stands in for the compiled Gluon kernel (no sm_90 GPU here): records each launch's run length
+    and hands back SASS per run length (None: a kernel whose SASS cannot be disassembled)."""
+
+    def __init__(self, sass_by_unroll: dict):
+        self.sass_by_unroll, self.launches = sass_by_unroll, []
+
+    def __getitem__(self, grid):
+        return self._launch
+
+    def _launch(self, *args, UNROLL, **consts):
+        self.launches.append(UNROLL)
+        sass = self.sass_by_unroll[UNROLL]
+
+        class Asm(dict):
+            def __getitem__(self, name):
+                if sass is None:
+                    raise RuntimeError("no nvdisasm")
+                return sass
+
+        return type("Compiled", (), {"asm": Asm(), "hash": f"run{UNROLL}"})()
+
+
+def _gemm_with_fake_kernel(monkeypatch, sass_by_unroll, unroll=2, calls=1):
+    fake = _FakeGluonLaunch_NoGPU(sass_by_unroll)
+    monkeypatch.setattr(wg, "_w4a4_wgmma_kernel", fake)
+    monkeypatch.setattr(wg, "usable", lambda device, n, k: True)
+    monkeypatch.setattr(wg, "_SASS_CHECKED", {})
+    monkeypatch.setattr(wg, "_ONE_STEP_RUNS", set())
+    e, n, k = 2, 64, 512
+    args = (
+        torch.zeros(5, k, dtype=torch.float16),
+        torch.ones(5),
+        torch.tensor([2, 5]),
+        torch.zeros(e, n, k // 2, dtype=torch.uint8),
+        torch.zeros(e, n, k // 16, dtype=torch.uint8),
+        torch.ones(e),
+    )
+    for _ in range(calls):
+        wg.grouped_w4a4_wgmma(*args, block_t=16, num_warps=4, stages=3, chunks=1, unroll=unroll)
+    return fake.launches
+
+
+CLEAN = _sass(MMA, "WARPGROUP.DEPBAR.LE gsb0, 0x0", "MOV R40, RZ")
+HAZARD = _sass(MMA, "PRMT R43, R8, 0x1404, RZ", "WARPGROUP.DEPBAR.LE gsb0, 0x0")
+
+
+def test_gemm_keeps_multi_step_runs_whose_sass_is_clean(monkeypatch):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _gemm_with_fake_kernel(monkeypatch, {2: CLEAN, 1: CLEAN}, calls=2) == [2, 2]
+
+
+def test_gemm_falls_back_to_one_step_runs_on_a_hazard_and_remembers(monkeypatch):
+    with pytest.warns(UserWarning, match="1 register hazards"):
+        launches = _gemm_with_fake_kernel(monkeypatch, {2: HAZARD, 1: CLEAN}, calls=3)
+    assert launches == [2, 1, 1, 1]  # the hazardous tile is launched once, then never again
+    with pytest.warns(UserWarning, match="could not be read"):
+        assert _gemm_with_fake_kernel(monkeypatch, {2: None, 1: None}) == [2, 1]
+    with pytest.raises(RuntimeError, match="register hazard"):
+        _gemm_with_fake_kernel(monkeypatch, {1: HAZARD}, unroll=1)

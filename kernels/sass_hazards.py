@@ -1,0 +1,95 @@
+"""Static check of compiled sm_90 code: is any register an in-flight wgmma reads or writes rewritten
+before the wgmma is retired?
+
+wgmma (SASS ``HGMMA``) reads its register A operand and updates its accumulators asynchronously; only
+a later ``WARPGROUP.DEPBAR.LE gsb0, N`` (PTX wgmma.wait_group N) makes them safe to touch. ptxas keeps
+those registers alive across straight-line code, but across a loop's back edge (wgmma in one iteration,
+its wait in the next) it was seen to reuse them (corrupted tiles on the H200, Triton 3.6). This walks
+every path from each HGMMA to the wait that retires its group and reports any other instruction that
+writes one of its registers. The Gluon GEMM runs it on each kernel it compiles (w4a4_wgmma) and the CPU
+tests on the tiles it ships.
+"""
+
+from __future__ import annotations
+
+import re
+
+# opcodes without a register destination in the first operand slot
+_NO_DEST = {
+    "ATOMS", "BAR", "BRA", "BSSY", "BSYNC", "CCTL", "DEPBAR", "ERRBAR", "EXIT", "FENCE", "LDGDEPBAR",
+    "LDGSTS", "MEMBAR", "NOP", "RED", "RET", "ST", "STG", "STL", "STS", "STSM", "SYNCS", "WARPGROUP",
+}  # fmt: skip
+_GUARD = re.compile(r"^@!?U?P[T\d]+\s+")
+_HGMMA = re.compile(r"HGMMA\.64x(\d+)x\d+\.\S+ R(\d+), (R(\d+)|gdesc)")
+_WAIT = re.compile(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d+)")
+_BRANCH = re.compile(r"^(@!?P[T\d]+\s+)?BRA (\w+)")
+
+
+def _program(sass: str) -> list[tuple[str, str]]:
+    """("label", name) / ("ins", text without control codes, guard kept) in program order."""
+    prog = []
+    for line in sass.splitlines():
+        text = line.split("\t", 1)[-1].strip().rstrip(";").strip()
+        if not text or text.startswith(("//", ".")):
+            continue
+        prog.append(("label", text[:-1]) if re.fullmatch(r"\w+:", text) else ("ins", text))
+    return prog
+
+
+def _written(ins: str) -> set[int]:
+    """General registers an instruction writes (first operand; .64/.WIDE two, .128 four)."""
+    body = _GUARD.sub("", ins)
+    op, _, rest = body.partition(" ")
+    if op.split(".")[0] in _NO_DEST or not rest:
+        return set()
+    dest = re.match(r"R(\d+)\b", rest.strip())
+    if dest is None:
+        return set()
+    width = 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op) else 1
+    return set(range(int(dest.group(1)), int(dest.group(1)) + width))
+
+
+def wgmma_register_hazards(sass: str, max_groups: int = 16) -> list[str]:
+    """One line per (HGMMA, instruction) pair where the instruction, on some path after the HGMMA and
+    before the wait that retires the HGMMA's commit group, writes its A registers (R a .. a+3) or its
+    accumulators (R d .. d+N/2-1). Empty: no such write on any path."""
+    prog = _program(sass)
+    labels = {name: i for i, (kind, name) in enumerate(prog) if kind == "label"}
+    found = []
+    for start, (kind, ins) in enumerate(prog):
+        m = _HGMMA.match(_GUARD.sub("", ins)) if kind == "ins" else None
+        if m is None:
+            continue
+        regs = set(range(int(m.group(2)), int(m.group(2)) + int(m.group(1)) // 2))
+        if m.group(4) is not None:
+            regs |= set(range(int(m.group(4)), int(m.group(4)) + 4))
+        # state: (pc, own group committed, groups committed after it)
+        todo, seen = [(start + 1, "gsb0" in ins, 0)], set()
+        while todo:
+            state = todo.pop()
+            pc, committed, after = state
+            if state in seen or pc >= len(prog) or after > max_groups:
+                continue
+            seen.add(state)
+            kind, text = prog[pc]
+            if kind == "label":
+                todo.append((pc + 1, committed, after))
+                continue
+            body = _GUARD.sub("", text)
+            if body.startswith("HGMMA"):
+                if "gsb0" in body:
+                    after, committed = after + committed, True
+            elif _written(text) & regs:
+                found.append(f"{ins} <- {text} (instruction {pc})")
+                continue
+            wait = _WAIT.match(body)
+            if (wait and committed and after >= int(wait.group(1))) or text.startswith("EXIT"):
+                continue  # retired (or the thread ends; a guarded EXIT may fall through)
+            branch = _BRANCH.match(text)
+            if branch:
+                todo.append((labels[branch.group(2)], committed, after))
+                if branch.group(1):
+                    todo.append((pc + 1, committed, after))
+                continue
+            todo.append((pc + 1, committed, after))
+    return found
