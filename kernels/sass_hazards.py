@@ -16,7 +16,7 @@ import re
 
 # opcodes without a register destination in the first operand slot
 _NO_DEST = {
-    "ATOMS", "BAR", "BRA", "BSSY", "BSYNC", "CCTL", "DEPBAR", "ERRBAR", "EXIT", "FENCE", "LDGDEPBAR",
+    "BAR", "BRA", "BSSY", "BSYNC", "CCTL", "DEPBAR", "ERRBAR", "EXIT", "FENCE", "LDGDEPBAR",
     "LDGSTS", "MEMBAR", "NOP", "RED", "RET", "ST", "STG", "STL", "STS", "STSM", "SYNCS", "WARPGROUP",
 }  # fmt: skip
 _GUARD = re.compile(r"^@!?U?P[T\d]+\s+")
@@ -37,15 +37,18 @@ def _program(sass: str) -> list[tuple[str, str]]:
 
 
 def _written(ins: str) -> set[int]:
-    """General registers an instruction writes (first operand; .64/.WIDE two, .128 four)."""
+    """General registers an instruction writes: its first operand (SHFL: the second, after the
+    predicate), .64/.WIDE two, .128 four, LDSM .M88.n n."""
     body = _GUARD.sub("", ins)
     op, _, rest = body.partition(" ")
     if op.split(".")[0] in _NO_DEST or not rest:
         return set()
-    dest = re.match(r"R(\d+)\b", rest.strip())
+    operands = [o.strip() for o in rest.split(",")]
+    dest = re.fullmatch(r"R(\d+)", operands[1 if op.startswith("SHFL") and len(operands) > 1 else 0])
     if dest is None:
         return set()
-    width = 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op) else 1
+    ldsm = re.search(r"\.M88\.(\d)", op)
+    width = int(ldsm.group(1)) if ldsm else 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op) else 1
     return set(range(int(dest.group(1)), int(dest.group(1)) + width))
 
 

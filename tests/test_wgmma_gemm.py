@@ -126,6 +126,10 @@ def test_register_hazard_check_on_straight_line_code():
     assert len(hazards(_sass(MMA, "PRMT R43, R8, 0x1404, RZ", "WARPGROUP.DEPBAR.LE gsb0, 0x0"))) == 1
     assert len(hazards(_sass(MMA, "LDS.128 R28, [R2]", "WARPGROUP.DEPBAR.LE gsb0, 0x0"))) == 1
     assert len(hazards(_sass(MMA, "IMAD.WIDE R39, R2, R3, R4", "WARPGROUP.DEPBAR.LE gsb0, 0x0"))) == 1  # R39, R40
+    # a shuffle writes its second operand, ldmatrix x4 four registers, a shared-memory atomic its first
+    for write in ("SHFL.BFLY PT, R41, R2, 0x1, 0x1f", "LDSM.16.M88.4 R38, [R2]", "ATOMS.ADD R42, [R2], R3"):
+        assert len(hazards(_sass(MMA, write, "WARPGROUP.DEPBAR.LE gsb0, 0x0"))) == 1, write
+    assert hazards(_sass(MMA, "ISETP.GE.AND P0, PT, R40, R41, PT", "WARPGROUP.DEPBAR.LE gsb0, 0x0")) == []  # reads
     # stores and predicated exits write no register; the write after the wait is fine
     assert hazards(_sass(MMA, "STS [R40], R41", "@P0 EXIT", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "MOV R40, R2")) == []
     # wait(1) leaves the newest group in flight: the older one is retired, this one is not
