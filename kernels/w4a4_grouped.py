@@ -697,6 +697,21 @@ def stack_expert_weights(weights: list[NVFP4Tensor]) -> tuple[torch.Tensor, torc
     return codes, scales, sdec
 
 
+def grouped_rows(
+    m: int, offs: torch.Tensor, a_rows: torch.Tensor | None, e_count: int, device: torch.device
+) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """Checked grouped-row inputs of a grouped GEMM over an operand of m rows: (rows, offs int32 [E]
+    on device, a_rows contiguous on device or None). rows = a_rows.numel() when given, else m."""
+    if a_rows is not None:
+        if a_rows.dim() != 1 or a_rows.dtype not in (torch.int32, torch.int64):
+            raise NVFP4InputError(f"a_rows must be int32/int64 [rows], got {a_rows.dtype} {tuple(a_rows.shape)}")
+        m = a_rows.numel()
+        a_rows = a_rows.to(device).contiguous()
+    if offs.numel() != e_count:
+        raise NVFP4InputError(f"offs has {offs.numel()} entries for {e_count} experts")
+    return m, offs.to(device=device, dtype=torch.int32), a_rows
+
+
 _LAST_COMPILED: list = [None]
 
 
@@ -759,17 +774,10 @@ def grouped_w4a4(
     )
     if act_k != k:
         raise NVFP4InputError(f"activation K={act_k} does not match weight K={k}")
-    if a_rows is not None:
-        if a_rows.dim() != 1 or a_rows.dtype not in (torch.int32, torch.int64):
-            raise NVFP4InputError(f"a_rows must be int32/int64 [rows], got {a_rows.dtype} {tuple(a_rows.shape)}")
-        m = a_rows.numel()
-        a_rows = a_rows.to(w_codes.device).contiguous()
-    if offs.numel() != e_count:
-        raise NVFP4InputError(f"offs has {offs.numel()} entries for {e_count} experts")
+    m, offs, a_rows = grouped_rows(m, offs, a_rows, e_count, w_codes.device)
     if k % block_k:
         raise NVFP4InputError(f"K={k} must be a multiple of block_k={block_k}")
     dev = w_codes.device
-    offs = offs.to(device=dev, dtype=torch.int32)
     tiles = tile_starts(offs, block_m)
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
     has_res = not a_operand and qa.residual is not None

@@ -28,7 +28,13 @@ import warnings
 import torch
 import triton
 from quads_megatron.kernels.sass_hazards import wgmma_register_hazards
-from quads_megatron.kernels.w4a4_grouped import WGMMA_CHUNK, _nibble_ptx, check_wgmma_order, tile_starts
+from quads_megatron.kernels.w4a4_grouped import (
+    WGMMA_CHUNK,
+    _nibble_ptx,
+    check_wgmma_order,
+    grouped_rows,
+    tile_starts,
+)
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
@@ -311,7 +317,7 @@ def grouped_w4a4_wgmma(
         raise NVFP4InputError(
             f"the Hopper wgmma GEMM needs an sm_90 GPU, K % 128 == 0, K >= 256 and N % 64 == 0 (N={n}, K={k})"
         )
-    m = values.shape[0] if a_rows is None else a_rows.numel()
+    m, offs, a_rows = grouped_rows(values.shape[0], offs, a_rows, e_count, w_codes.device)
     cfg = wgmma_config(m, n)
     block_t = block_t or cfg["block_t"]
     num_warps = num_warps or cfg["num_warps"]
@@ -328,7 +334,6 @@ def grouped_w4a4_wgmma(
             f"(>= {min_stages} with {unroll}-step runs), chunks={chunks} (1 or 2)"
         )
     dev = w_codes.device
-    offs = offs.to(device=dev, dtype=torch.int32)
     tiles = tile_starts(offs, block_t)
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
     grid = (n // (ROWS_PER_WARPGROUP * num_warps // 4), triton.cdiv(m, block_t) + e_count)
@@ -340,7 +345,7 @@ def grouped_w4a4_wgmma(
         w_sdec,
         offs,
         tiles,
-        offs if a_rows is None else a_rows.to(dev).contiguous(),
+        offs if a_rows is None else a_rows,
         y,
         n,
         e_count,

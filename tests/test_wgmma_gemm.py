@@ -216,3 +216,16 @@ def test_gemm_falls_back_to_one_step_runs_on_a_hazard_and_remembers(monkeypatch)
         assert _gemm_with_fake_kernel(monkeypatch, {2: None, 1: None}) == [2, 1]
     with pytest.raises(RuntimeError, match="register hazard"):
         _gemm_with_fake_kernel(monkeypatch, {1: HAZARD}, unroll=1)
+
+
+def test_gemm_checks_its_grouped_rows_like_the_triton_gemm(monkeypatch):
+    """Both GEMMs check offs and a_rows through w4a4_grouped.grouped_rows (kernel faked: no launch)."""
+    monkeypatch.setattr(wg, "_w4a4_wgmma_kernel", _FakeGluonLaunch_NoGPU({1: CLEAN}))
+    monkeypatch.setattr(wg, "usable", lambda device, n, k: True)
+    e, n, k = 2, 64, 512
+    w = (torch.zeros(e, n, k // 2, dtype=torch.uint8), torch.zeros(e, n, k // 16, dtype=torch.uint8), torch.ones(e))
+    a, s = torch.zeros(5, k, dtype=torch.float16), torch.ones(5)
+    with pytest.raises(NVFP4InputError, match="a_rows must be int32/int64"):
+        wg.grouped_w4a4_wgmma(a, s, torch.tensor([2, 5]), *w, a_rows=torch.zeros(3))
+    with pytest.raises(NVFP4InputError, match="offs has 3 entries for 2 experts"):
+        wg.grouped_w4a4_wgmma(a, s, torch.tensor([1, 2, 5]), *w)
