@@ -22,35 +22,31 @@ from quads_megatron.moe_w4a4 import route
 E, HIDDEN, INTER, TOPK = 128, 2048, 768, 8
 
 
-def tiles(rows: int) -> list[tuple[int, int, int, int, int, int | None]]:
-    """(block_t, warps, stages, chunks, unroll, maxnreg) worth trying at this many grouped rows (from
-    the sweeps of 2026-12-02: unroll 1 = every wgmma retired at the end of each k-step, which also lets
-    the ring run STAGES-1 steps ahead instead of STAGES-2; 16 warps were slower everywhere)."""
+def tiles(rows: int) -> list[tuple[int, int, int, int, int, int | None, int]]:
+    """(block_t, warps, stages, chunks, unroll, maxnreg, loader_warps) worth trying at this many grouped
+    rows. loader_warps > 0: the warp-specialized kernel (cp.async loader warps + mbarrier ring; its
+    maxnreg is the launch's, split between partitions, and sets CTAs per SM). Sweeps of 2026-12-02
+    (session 5, benchmarks/results/probe_wgmma_tiles.txt): 4-warp consumers, 16 warps, deeper rings
+    and an L2 bulk prefetch of each CTA's code rows were slower everywhere."""
     if rows <= 1024:
         return [
-            (16, 8, 3, 1, 1, None),
-            (16, 8, 2, 2, 1, None),
-            (16, 8, 2, 1, 1, None),
-            (16, 4, 3, 1, 1, None),
-            (16, 4, 3, 2, 1, None),
-            (16, 4, 4, 1, 1, None),
+            (16, 8, 3, 1, 1, None, 0),
+            (16, 8, 3, 1, 1, 80, 4),
+            (16, 8, 3, 1, 1, 56, 4),
         ]
     if rows <= 4096:
         return [
-            (32, 8, 3, 2, 1, None),
-            (32, 8, 2, 2, 1, None),
-            (32, 4, 3, 2, 1, None),
-            (32, 4, 3, 1, 1, None),
-            (32, 4, 4, 1, 1, None),
-            (16, 8, 3, 1, 1, None),
-            (16, 8, 2, 2, 1, None),
+            (16, 8, 3, 1, 1, None, 0),
+            (32, 8, 3, 2, 1, None, 0),
+            (32, 8, 4, 1, 1, 80, 4),
+            (16, 8, 3, 1, 1, 80, 4),
         ]
     return [
-        (64, 8, 4, 1, 1, None),
-        (128, 8, 4, 1, 4, None),
-        (128, 8, 4, 1, 2, None),
-        (128, 8, 4, 1, 8, None),
-        (64, 8, 2, 2, 1, None),
+        (64, 8, 4, 1, 1, None, 0),
+        (128, 8, 4, 1, 8, None, 0),
+        (64, 8, 3, 1, 1, 80, 4),
+        (64, 8, 4, 1, 1, 80, 4),
+        (128, 8, 3, 1, 1, 168, 4),
     ]
 
 
@@ -97,11 +93,11 @@ def main() -> None:
             flush=True,
         )
         res = []
-        for bt, nw, st, kc, un, regs in tiles(rows):
+        for bt, nw, st, kc, un, regs, lw in tiles(rows):
             if time.time() - t0 > args.budget_s:
                 print("budget spent; stopping", flush=True)
                 break
-            kw = dict(block_t=bt, num_warps=nw, stages=st, chunks=kc, unroll=un, maxnreg=regs)
+            kw = dict(block_t=bt, num_warps=nw, stages=st, chunks=kc, unroll=un, maxnreg=regs, loader_warps=lw)
             try:
                 got = wg.grouped_w4a4_wgmma(
                     perm.values, perm.global_decode, offs, wc, wsc, wsd, torch.float32, tok, **kw
@@ -115,9 +111,9 @@ def main() -> None:
             except Exception as e:  # out of shared memory / registers: report and go on
                 print(f"  tile {kw} failed: {repr(e)[:160]}", flush=True)
                 continue
-            res.append((us, bt, nw, st, kc, un, regs or 0, err))
+            res.append((us, bt, nw, st, kc, un, regs or 0, lw, err))
             print(
-                f"  BT{bt} w{nw} s{st} c{kc} u{un} r{regs or '-'}: {us:.1f} us  {bf16 / us:.2f}x bf16  "
+                f"  BT{bt} w{nw} s{st} c{kc} u{un} r{regs or '-'} ws{lw}: {us:.1f} us  {bf16 / us:.2f}x bf16  "
                 f"{fp8 / us:.2f}x fp8  {triton_us / us:.2f}x triton  rel err vs triton {err:.1e}",
                 flush=True,
             )
@@ -125,8 +121,8 @@ def main() -> None:
             best = min(res)
             d = wg.wgmma_config(rows, 2 * INTER)
             print(
-                f"  best BT{best[1]} w{best[2]} s{best[3]} c{best[4]} u{best[5]} r{best[6] or '-'} {best[0]:.1f} us; "
-                f"default {d}; max err {max(r[7] for r in res):.1e}",
+                f"  best BT{best[1]} w{best[2]} s{best[3]} c{best[4]} u{best[5]} r{best[6] or '-'} ws{best[7]} "
+                f"{best[0]:.1f} us; default {d}; max err {max(r[8] for r in res):.1e}",
                 flush=True,
             )
 

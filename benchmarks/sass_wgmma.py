@@ -40,7 +40,15 @@ SIGNATURE = {
 
 
 def report(
-    block_t: int, num_warps: int, stages: int, chunks: int = 1, unroll: int = 1, k: int = 2048, dump: str | None = None
+    block_t: int,
+    num_warps: int,
+    stages: int,
+    chunks: int = 1,
+    unroll: int = 1,
+    k: int = 2048,
+    dump: str | None = None,
+    loader_warps: int = 0,
+    maxnreg: int | None = None,
 ) -> dict:
     import triton
     from quads_megatron.kernels import w4a4_wgmma as wg
@@ -50,21 +58,33 @@ def report(
 
     from benchmarks.sass_gemm_loop import registers_per_thread
 
-    unroll = wg.run_length(k, chunks, unroll)
-    consts = dict(K=k, HAS_AROWS=True, LOG2_E=7, BT=block_t, STAGES=stages, KC=chunks, UNROLL=unroll, NW=num_warps)
+    if loader_warps:  # the warp-specialized kernel: one chunk per step, 1-step runs
+        chunks = unroll = 1
+        consts = dict(K=k, HAS_AROWS=True, LOG2_E=7, BT=block_t, STAGES=stages, NW=num_warps, LW=loader_warps)
+        consts.update(LOADER_REGS=wg.ws_loader_regs(block_t, loader_warps), A_I64=False)
+    else:
+        unroll = wg.run_length(k, chunks, unroll)
+        consts = dict(K=k, HAS_AROWS=True, LOG2_E=7, BT=block_t, STAGES=stages, KC=chunks, UNROLL=unroll, NW=num_warps)
     consts["CODES_LAYOUT"] = wg._codes_layout(num_warps)
     src = GluonASTSource(
-        fn=wg._w4a4_wgmma_kernel,
+        fn=wg._w4a4_wgmma_ws_kernel if loader_warps else wg._w4a4_wgmma_kernel,
         signature={**SIGNATURE, **dict.fromkeys(consts, "constexpr")},
         constexprs=consts,
         attrs={(i,): [["tt.divisibility", 16]] for i in range(9)},
     )
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    compiled = triton.compile(
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {})),
+    )
     sass = compiled.asm["sass"]
     if dump:
         os.makedirs(dump, exist_ok=True)
-        with open(os.path.join(dump, f"wgmma_{block_t}_{num_warps}_{stages}_{chunks}_{unroll}.sass"), "w") as out:
+        name = f"wgmma_{block_t}_{num_warps}_{stages}_{chunks}_{unroll}_{loader_warps}"
+        with open(os.path.join(dump, name + ".sass"), "w") as out:
             out.write(sass)
+        with open(os.path.join(dump, name + ".ptx"), "w") as out:
+            out.write(compiled.asm["ptx"])
     lines = sass.splitlines()
     labels = {ln.strip()[:-1]: i for i, ln in enumerate(lines) if re.fullmatch(r"\w+:", ln.strip())}
     first_mma = next(i for i, ln in enumerate(lines) if "HGMMA" in ln)
@@ -77,13 +97,18 @@ def report(
     loop = [ln for ln in lines[loop_top + 1 : loop_end + 1] if ln.strip() and not ln.strip().endswith(":")]
     weights_per_thread = 64 * (num_warps // 4) * 128 * chunks * unroll // (32 * num_warps)
     return {
-        "tile": f"BT{block_t} w{num_warps} s{stages} c{chunks} u{unroll}",
+        "tile": f"BT{block_t} w{num_warps} s{stages} c{chunks} u{unroll}"
+        + (f" ws{loader_warps}" if loader_warps else ""),
         "hgmma_a_operands": re.findall(r"HGMMA\.\S+ R\d+, (\S+), gdesc", sass),
         "hgmma_shape": sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass))),
         "wgmma_waits": re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass),
         "register_hazards": wgmma_register_hazards(sass),
         "spills": "STL" in sass or "LDL" in sass,
         "regs": registers_per_thread(compiled.asm["cubin"]),
+        "threads": int(re.search(r"\.reqntid (\d+)", compiled.asm["ptx"]).group(1))
+        if ".reqntid" in compiled.asm["ptx"]
+        else 32 * num_warps,
+        "setmaxnreg": re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"]),
         "smem": compiled.metadata.shared,
         "loop_instructions": len(loop),
         "per_weight": len(loop) / weights_per_thread,
@@ -92,21 +117,29 @@ def report(
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("tiles", nargs="+", help="BT,warps,stages,chunks[,unroll]")
+    ap.add_argument(
+        "tiles",
+        nargs="+",
+        help="BT,warps,stages,chunks[,unroll[,loader warps (the warp-specialized kernel)[,maxnreg]]]",
+    )
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--json", action="store_true", help="one JSON list on stdout")
     ap.add_argument("--dump", default=None, help="also write the SASS here")
     args = ap.parse_args()
-    out = [report(*(int(v) for v in t.split(",")), k=args.k, dump=args.dump) for t in args.tiles]
+    out = []
+    for t in args.tiles:
+        v = [int(x) for x in t.split(",")]
+        ws, cap = (v[5:] + [0, 0])[:2]
+        out.append(report(*v[:5], k=args.k, dump=args.dump, loader_warps=ws, maxnreg=cap or None))
     if args.json:
         print(json.dumps(out))
         return
     for r in out:
         print(
             f"{r['tile']}: HGMMA {r['hgmma_shape']} A from "
-            f"{'registers' if r['hgmma_a_operands'][0][0] == 'R' else 'smem'}"
+            f"{'registers' if r['hgmma_a_operands'][0][0] == 'R' else 'smem'}, {r['threads']} threads"
             f", waits {r['wgmma_waits']}, {len(r['register_hazards'])} register hazards"
-            f", spills {r['spills']}, {r['regs']} regs, {r['smem']} B smem, "
+            f", spills {r['spills']}, {r['regs']} regs {r['setmaxnreg']}, {r['smem']} B smem, "
             f"loop {r['loop_instructions']} instructions ({r['per_weight']:.2f} per weight)"
         )
 

@@ -39,6 +39,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from quads_megatron.nvfp4 import NVFP4InputError
 
@@ -77,17 +78,17 @@ def usable(device: torch.device, n: int, k: int) -> bool:
 
 def wgmma_config(rows: int, n: int) -> dict[str, int]:
     """Tiles by grouped rows (tokens * top-k): token tile BT (wgmma N), warps (64 weight rows per
-    warpgroup), ring depth, 128-K chunks per step and k-steps per straight-line run, from the H200
-    sweeps (benchmarks/probe_wgmma_tiles.py, 2026-12-02): shallow rings (more CTAs per SM) at decode
-    sizes; multi-step runs (decode overlapping the wgmma) only pay off with 128-token tiles."""
+    warpgroup), ring depth, 128-K chunks per step, k-steps per straight-line run, and above 4096 rows
+    the warp-specialized kernel (loader_warps cp.async warps; maxnreg is the launch's register cap,
+    80: two CTAs per SM), from the H200 sweeps (benchmarks/probe_wgmma_tiles.py, 2026-12-02): shallow
+    rings (more CTAs per SM) at decode sizes; the warp-specialized kernel 3-6% faster at 8192 and
+    32768 rows, even with the single-partition kernel's 128-token 8-step runs at 131072."""
     if rows <= 4096:
         cfg = dict(block_t=16, num_warps=8, stages=3, chunks=1, unroll=1)
-    elif rows <= 32768:
-        cfg = dict(block_t=64, num_warps=8, stages=4, chunks=1, unroll=1)
     else:
-        cfg = dict(block_t=128, num_warps=8, stages=4, chunks=1, unroll=8)
-    if n % (ROWS_PER_WARPGROUP * cfg["num_warps"] // 4):
-        cfg["num_warps"] = 4
+        cfg = dict(block_t=64, num_warps=8, stages=3, chunks=1, unroll=1, loader_warps=4, maxnreg=80)
+    if n % (ROWS_PER_WARPGROUP * cfg["num_warps"] // 4):  # N a multiple of 64 only: one warpgroup, one partition
+        cfg.update(num_warps=4, loader_warps=0, maxnreg=None)
     return cfg
 
 
@@ -133,6 +134,57 @@ def _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, step, slot, KC: 
 
 
 @gluon.jit
+def _tile_coords(offs_ptr, tiles_ptr, E, pid, LOG2_E: gl.constexpr, BT: gl.constexpr):
+    """Row tile pid -> (expert e, first grouped row t0, end of e's rows); e = -1 past the last tile."""
+    lo = 0
+    hi = E - 1
+    for _ in gl.static_range(LOG2_E):  # expert e with tiles[e] <= pid < tiles[e+1]
+        mid = (lo + hi) // 2
+        go_right = gl.load(tiles_ptr + mid + 1) <= pid
+        lo = gl.where(go_right, mid + 1, lo)
+        hi = gl.where(go_right, hi, mid)
+    e = gl.where(pid < gl.load(tiles_ptr + E), lo, -1)
+    row_begin = gl.where(lo > 0, gl.load(offs_ptr + lo - 1, mask=lo > 0, other=0), 0)
+    return e, row_begin + (pid - gl.load(tiles_ptr + lo)) * BT, gl.load(offs_ptr + lo)
+
+
+@gluon.jit
+def _store_tile(
+    acc,
+    arows_ptr,
+    asdec_ptr,
+    wsdec_ptr,
+    y_ptr,
+    e,
+    t0,
+    n0,
+    row_end,
+    N,
+    wsdec_stride,
+    HAS_AROWS: gl.constexpr,
+    BT: gl.constexpr,
+    NW: gl.constexpr,
+    MMA: gl.constexpr,
+):
+    """y[t0:t0+BT, n0:n0+BNW] = acc^T * 2^14 * S_dec_a[token] * S_dec_w[e] (rows past row_end masked)."""
+    BNW: gl.constexpr = 64 * (NW // 4)
+    cols = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))
+    cmask = cols < row_end
+    if HAS_AROWS:
+        ctok = gl.load(arows_ptr + cols, mask=cmask, other=0).to(gl.int64)
+    else:
+        ctok = cols.to(gl.int64)
+    sa = gl.load(asdec_ptr + ctok, mask=cmask, other=0.0)
+    sw = gl.load(wsdec_ptr + e * wsdec_stride)
+    y = ((acc * 16384.0) * sa[None, :] * sw).to(y_ptr.dtype.element_ty)  # undo 2^-7 on each operand
+    out: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, NW], [0, 1])  # 16 B of one row's N per thread
+    y = gl.convert_layout(y, out)
+    on = n0 + gl.arange(0, BNW, layout=gl.SliceLayout(1, out))
+    orow = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, out))
+    gl.store(y_ptr + orow.to(gl.int64)[None, :] * N + on[:, None], y, mask=(orow < row_end)[None, :])
+
+
+@gluon.jit
 def _w4a4_wgmma_kernel(
     a_ptr,
     asdec_ptr,
@@ -159,20 +211,9 @@ def _w4a4_wgmma_kernel(
     BNW: gl.constexpr = 64 * (NW // 4)
     NK: gl.constexpr = K // (128 * KC)  # k-steps of KC chunks
     pid = gl.program_id(1)  # N tiles vary fastest: a token tile's rows are re-read from L2, not HBM
-    total = gl.load(tiles_ptr + E)
-    if pid >= total:
+    e, t0, row_end = _tile_coords(offs_ptr, tiles_ptr, E, pid, LOG2_E, BT)
+    if e < 0:
         return
-    lo = 0
-    hi = E - 1
-    for _ in gl.static_range(LOG2_E):  # expert e with tiles[e] <= pid < tiles[e+1]
-        mid = (lo + hi) // 2
-        go_right = gl.load(tiles_ptr + mid + 1) <= pid
-        lo = gl.where(go_right, mid + 1, lo)
-        hi = gl.where(go_right, hi, mid)
-    e = lo
-    row_begin = gl.where(e > 0, gl.load(offs_ptr + e - 1, mask=e > 0, other=0), 0)
-    row_end = gl.load(offs_ptr + e)
-    t0 = row_begin + (pid - gl.load(tiles_ptr + e)) * BT
     n0 = gl.program_id(0) * BNW
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16])
@@ -234,20 +275,223 @@ def _w4a4_wgmma_kernel(
                     acc = hopper.warpgroup_mma_wait(1, deps=[acc])
     async_copy.wait_group(0)
 
-    cols = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
-    cmask = cols < row_end
+    _store_tile(
+        acc, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, e, t0, n0, row_end, N, wsdec_stride, HAS_AROWS, BT, NW, mma
+    )
+
+
+@gluon.jit
+def _ws_loader(
+    a_ptr,
+    w_ptr,
+    ws_ptr,
+    arows_ptr,
+    b_smem,
+    w_smem,
+    s_smem,
+    ready,
+    empty,
+    e,
+    t0,
+    n0,
+    row_end,
+    N,
+    K: gl.constexpr,
+    HAS_AROWS: gl.constexpr,
+    A_I64: gl.constexpr,
+    BT: gl.constexpr,
+    BNW: gl.constexpr,
+    LW: gl.constexpr,
+):
+    """Worker partition (LW warps): cp.async each k-step's activation rows, code and scale bytes into
+    ring slot step % STAGES once the consumers freed it (empty), then arm ready[slot] to complete when
+    this thread's copies land (cp.async.mbarrier.arrive.noinc: ready counts LW * 32 arrivals). Offsets
+    are int32 from per-step scalar bases (few registers per copy); A_I64: token offsets need int64."""
+    STAGES: gl.constexpr = b_smem.shape[0]
+    b_copy: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])  # [BT, 128] fp16, 16 B each
+    w_copy: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LW, 1], [1, 0])  # [BNW, 64] u8
+    s_copy: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [LW, 1], [1, 0])  # [BNW, 8] u8
+    r = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, b_copy))
     if HAS_AROWS:
-        ctok = gl.load(arows_ptr + cols, mask=cmask, other=0).to(gl.int64)
+        tok = gl.load(arows_ptr + r, mask=r < row_end, other=0)
     else:
-        ctok = cols.to(gl.int64)
-    sa = gl.load(asdec_ptr + ctok, mask=cmask, other=0.0)
-    sw = gl.load(wsdec_ptr + e * wsdec_stride)
-    y = ((acc * 16384.0) * sa[None, :] * sw).to(y_ptr.dtype.element_ty)  # undo 2^-7 on each operand
-    out: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, NW], [0, 1])  # 16 B of one row's N per thread
-    y = gl.convert_layout(y, out)
-    on = n0 + gl.arange(0, BNW, layout=gl.SliceLayout(1, out))
-    orow = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, out))
-    gl.store(y_ptr + orow.to(gl.int64)[None, :] * N + on[:, None], y, mask=(orow < row_end)[None, :])
+        tok = gl.where(r < row_end, r, 0)  # rows past the expert copy row 0 (never stored)
+    if A_I64:
+        tok = tok.to(gl.int64)
+    else:
+        tok = tok.to(gl.int32)
+    b_off = tok[:, None] * K + gl.arange(0, 128, layout=gl.SliceLayout(0, b_copy))[None, :]
+    w_off = (
+        gl.arange(0, BNW, layout=gl.SliceLayout(1, w_copy))[:, None] * (K // 2)
+        + gl.arange(0, 64, layout=gl.SliceLayout(0, w_copy))[None, :]
+    )
+    s_off = (
+        gl.arange(0, BNW, layout=gl.SliceLayout(1, s_copy))[:, None] * (K // 16)
+        + gl.arange(0, 8, layout=gl.SliceLayout(0, s_copy))[None, :]
+    )
+    row0 = (e * N + n0).to(gl.int64)
+    for j in range(K // 128):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+        async_copy.async_copy_global_to_shared(b_smem.index(slot), (a_ptr + j * 128) + b_off)
+        async_copy.async_copy_global_to_shared(w_smem.index(slot), (w_ptr + row0 * (K // 2) + j * 64) + w_off)
+        async_copy.async_copy_global_to_shared(s_smem.index(slot), (ws_ptr + row0 * (K // 16) + j * 8) + s_off)
+        async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+
+
+@gluon.jit
+def _ws_consumer(
+    b_smem,
+    w_smem,
+    s_smem,
+    ready,
+    empty,
+    arows_ptr,
+    asdec_ptr,
+    wsdec_ptr,
+    y_ptr,
+    e,
+    t0,
+    n0,
+    row_end,
+    N,
+    wsdec_stride,
+    K: gl.constexpr,
+    HAS_AROWS: gl.constexpr,
+    BT: gl.constexpr,
+    NW: gl.constexpr,
+    CODES_LAYOUT: gl.constexpr,
+):
+    """Default partition (NW warps, 64 weight rows per warpgroup): per k-step wait for its slot, decode
+    the codes into wgmma's register operand, wgmma against the activation rows, retire it and free the
+    slot; then the epilogue."""
+    BNW: gl.constexpr = 64 * (NW // 4)
+    STAGES: gl.constexpr = b_smem.shape[0]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
+    for j in range(K // 128):
+        slot = j % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
+        c = w_smem.index(slot).reshape([BNW, 8, 8]).load(CODES_LAYOUT)
+        sc = s_smem.index(slot).load(gl.SliceLayout(2, CODES_LAYOUT))
+        a = _decode_a(c, sc, BNW, a_layout)
+        acc = hopper.warpgroup_mma(a, b_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index(slot), count=1)
+    _store_tile(
+        acc, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, e, t0, n0, row_end, N, wsdec_stride, HAS_AROWS, BT, NW, mma
+    )
+
+
+@gluon.jit
+def _w4a4_wgmma_ws_kernel(
+    a_ptr,
+    asdec_ptr,
+    w_ptr,
+    ws_ptr,
+    wsdec_ptr,
+    offs_ptr,
+    tiles_ptr,
+    arows_ptr,
+    y_ptr,
+    N,
+    E,
+    wsdec_stride,
+    K: gl.constexpr,
+    HAS_AROWS: gl.constexpr,
+    LOG2_E: gl.constexpr,
+    BT: gl.constexpr,
+    STAGES: gl.constexpr,
+    NW: gl.constexpr,
+    LW: gl.constexpr,
+    LOADER_REGS: gl.constexpr,
+    A_I64: gl.constexpr,
+    CODES_LAYOUT: gl.constexpr,
+):
+    """Warp-specialized variant of _w4a4_wgmma_kernel (one 128-K chunk per step, 1-step runs): LW loader
+    warps fill the ring by cp.async and per-slot mbarriers, the NW consumer warps only decode and
+    issue wgmma; no CTA-wide barrier, each warpgroup runs ahead as far as the ring allows."""
+    BNW: gl.constexpr = 64 * (NW // 4)
+    pid = gl.program_id(1)  # N tiles vary fastest: a token tile's rows are re-read from L2, not HBM
+    e, t0, row_end = _tile_coords(offs_ptr, tiles_ptr, E, pid, LOG2_E, BT)
+    if e < 0:
+        return
+    n0 = gl.program_id(0) * BNW
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    b_smem = gl.allocate_shared_memory(
+        gl.float16, [STAGES, BT, 128], gl.NVMMASharedLayout.get_default_for([BT, 128], gl.float16)
+    )
+    w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BNW, 64], plain)
+    s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BNW, 8], plain)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=LW * 32)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize(
+        [
+            (
+                _ws_consumer,
+                (
+                    b_smem,
+                    w_smem,
+                    s_smem,
+                    ready,
+                    empty,
+                    arows_ptr,
+                    asdec_ptr,
+                    wsdec_ptr,
+                    y_ptr,
+                    e,
+                    t0,
+                    n0,
+                    row_end,
+                    N,
+                    wsdec_stride,
+                    K,
+                    HAS_AROWS,
+                    BT,
+                    NW,
+                    CODES_LAYOUT,
+                ),
+            ),
+            (
+                _ws_loader,
+                (
+                    a_ptr,
+                    w_ptr,
+                    ws_ptr,
+                    arows_ptr,
+                    b_smem,
+                    w_smem,
+                    s_smem,
+                    ready,
+                    empty,
+                    e,
+                    t0,
+                    n0,
+                    row_end,
+                    N,
+                    K,
+                    HAS_AROWS,
+                    A_I64,
+                    BT,
+                    BNW,
+                    LW,
+                ),
+            ),
+        ],
+        [LW],
+        [LOADER_REGS],
+    )
+
+
+def ws_loader_regs(block_t: int, loader_warps: int) -> int:
+    """Registers per thread of the loader warps: one int32 offset per 16-byte activation copy (BT * 16 /
+    (32 * loader_warps) per thread) plus the code and scale offsets, without spills (sass_wgmma.py, sm_90)."""
+    return 40 if block_t * 16 <= 8 * 32 * loader_warps else 88
 
 
 def faster_than_triton(rows: int) -> bool:
@@ -296,6 +540,7 @@ def grouped_w4a4_wgmma(
     chunks: int | None = None,
     unroll: int | None = None,
     maxnreg: int | None = None,
+    loader_warps: int | None = None,
 ) -> torch.Tensor:
     """y [rows, N] = S_dec_a * S_dec_w[e] * (A @ W_e^T) for the grouped rows of offs (see grouped_w4a4).
 
@@ -303,7 +548,10 @@ def grouped_w4a4_wgmma(
     w_codes u8 [E, N, K/2], w_scales u8 [E, N, K/16], w_sdec fp32 [E] (may be strided); a_rows:
     optional token index of each grouped row. Tiles default to wgmma_config(rows, N); chunks: 128-K
     chunks per pipeline step (1 or 2; 1 where K is not a multiple of 256); unroll: k-steps per
-    straight-line run (run_length); maxnreg: a register cap per thread (None: ptxas decides).
+    straight-line run (run_length); maxnreg: a register cap per thread (None: ptxas decides; the
+    warp-specialized kernel's cap is the launch's, split between its partitions); loader_warps: > 0
+    runs the warp-specialized kernel with that many cp.async loader warps (one chunk per step, 1-step
+    runs; 0 the single-partition kernel).
 
     Each compiled tile's SASS is checked once (sass_hazards): multi-step runs whose wgmma register
     operand could be rewritten in flight (or whose SASS cannot be read) fall back to 1-step runs,
@@ -323,15 +571,19 @@ def grouped_w4a4_wgmma(
     num_warps = num_warps or cfg["num_warps"]
     stages = stages or cfg["stages"]
     chunks = chunks or cfg["chunks"]
-    if k % (CHUNK * chunks):
+    loader_warps = cfg.get("loader_warps", 0) if loader_warps is None else loader_warps
+    maxnreg = maxnreg or cfg.get("maxnreg")
+    if k % (CHUNK * chunks) or loader_warps:
         chunks = 1
-    unroll = run_length(k, chunks, unroll or cfg["unroll"])
+    unroll = 1 if loader_warps else run_length(k, chunks, unroll or cfg["unroll"])
     min_stages = 2 if unroll == 1 else 3  # at least one k-step in flight ahead (see AHEAD in the kernel)
-    bad_warps = num_warps not in (4, 8) or n % (ROWS_PER_WARPGROUP * num_warps // 4)
-    if bad_warps or stages < min_stages or chunks not in (1, 2):
+    bad_warps = num_warps not in ((4, 8, 16) if loader_warps else (4, 8)) or n % (ROWS_PER_WARPGROUP * num_warps // 4)
+    bad_loader = loader_warps not in (0, 1, 2, 4) or 32 * loader_warps > ROWS_PER_WARPGROUP * num_warps // 4
+    if bad_warps or stages < min_stages or chunks not in (1, 2) or bad_loader:
         raise NVFP4InputError(
             f"bad tiles: num_warps={num_warps} (4 or 8, N % (16 * warps) == 0), stages={stages} "
-            f"(>= {min_stages} with {unroll}-step runs), chunks={chunks} (1 or 2)"
+            f"(>= {min_stages} with {unroll}-step runs), chunks={chunks} (1 or 2), loader_warps="
+            f"{loader_warps} (0, 1, 2 or 4, at most one per 32 weight rows of a CTA)"
         )
     dev = w_codes.device
     tiles = tile_starts(offs, block_t)
@@ -352,9 +604,18 @@ def grouped_w4a4_wgmma(
         w_sdec.stride(0),
     )
     consts = dict(K=k, HAS_AROWS=a_rows is not None, LOG2_E=max(1, (e_count - 1).bit_length()), BT=block_t)
-    consts.update(STAGES=stages, KC=chunks, NW=num_warps, CODES_LAYOUT=_codes_layout(num_warps), num_warps=num_warps)
+    consts.update(STAGES=stages, NW=num_warps, CODES_LAYOUT=_codes_layout(num_warps), num_warps=num_warps)
     if maxnreg:
         consts["maxnreg"] = maxnreg
+    if loader_warps:
+        consts.update(
+            LW=loader_warps, LOADER_REGS=ws_loader_regs(block_t, loader_warps), A_I64=values.shape[0] * k >= 2**31
+        )
+        kernel = _w4a4_wgmma_ws_kernel[grid](*args, **consts)
+        if _register_hazards(kernel):  # 1-step runs: none expected; refuse rather than return a wrong tile
+            raise RuntimeError(f"wgmma register hazard in the warp-specialized Gluon GEMM: {_register_hazards(kernel)}")
+        return y
+    consts["KC"] = chunks
     tile = (consts["LOG2_E"], k, a_rows is not None, block_t, stages, chunks, num_warps, maxnreg, out_dtype, unroll)
     if tile in _ONE_STEP_RUNS:
         unroll = 1

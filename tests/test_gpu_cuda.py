@@ -6,8 +6,9 @@ test_megatron_patch / test_moe_w4a4 cover the same contracts through the CPU pat
 * the rollout MoE block (the SGLang method's forward) at Qwen3-30B-A3B expert sizes: Triton path
   vs reference, strided S_dec views, and CUDA-graph capture (no host sync on the serving path);
 * the block's fused pieces on the GPU: token-indexed fc1 rows, gated fc2 quantization, combine;
-* the Gluon Hopper GEMM (kernels/w4a4_wgmma.py) against the Triton GEMM on every tile it may pick,
-  and the whole block on it (moe_w4a4's default on an H200).
+* the Gluon Hopper GEMM (kernels/w4a4_wgmma.py: the one-partition kernel and the warp-specialized one)
+  against the Triton GEMM on every tile it may pick, and the whole block on it (moe_w4a4's default on
+  an H200).
 """
 
 import warnings
@@ -202,25 +203,33 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
             block_m=16,
             block_n=64,
         )[:rows]
-        for bt, nw, st, kc, un, regs in [
-            (16, 4, 3, 1, 1, None),
-            (16, 8, 2, 2, 1, None),
-            (16, 8, 8, 1, 4, None),
-            (16, 8, 4, 2, 4, 128),
-            (32, 8, 3, 2, 1, None),
-            (32, 8, 6, 1, 8, None),
-            (64, 8, 4, 1, 1, None),
-            (128, 8, 4, 1, 4, None),
+        for bt, nw, st, kc, un, regs, lw in [
+            (16, 4, 3, 1, 1, None, 0),
+            (16, 8, 2, 2, 1, None, 0),
+            (16, 8, 8, 1, 4, None, 0),
+            (16, 8, 4, 2, 4, 128, 0),
+            (32, 8, 3, 2, 1, None, 0),
+            (32, 8, 6, 1, 8, None, 0),
+            (64, 8, 4, 1, 1, None, 0),
+            (128, 8, 4, 1, 4, None, 0),
+            (16, 8, 3, 1, 1, 80, 4),  # warp-specialized: loader warps fill an mbarrier ring
+            (64, 8, 3, 1, 1, 80, 4),
+            (32, 8, 2, 1, 1, 80, 2),
+            (64, 4, 3, 1, 1, None, 2),
+            (128, 8, 3, 1, 1, 168, 4),
         ]:  # unroll: k-steps per straight-line run (each decode but the run's first overlaps a wgmma); unroll 1
             # with 2 stages: the ring refills the slot of the step just retired
-            kw = dict(block_t=bt, num_warps=nw, stages=st, chunks=kc, unroll=un, maxnreg=regs)
+            kw = dict(block_t=bt, num_warps=nw, stages=st, chunks=kc, unroll=un, maxnreg=regs, loader_warps=lw)
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a register-hazard fallback would warn
                 got = wg.grouped_w4a4_wgmma(a, s_dec, offs, *w, torch.float32, a_rows, **kw)
             err = ((got[:rows] - want).norm() / want.norm()).item()
             assert err < 1e-6, (kw, err)
             assert torch.allclose(got[:rows], want, rtol=1e-4, atol=1e-5 * want.abs().max().item()), kw
-    y = wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, *w, a_rows=tok)[:rows]  # default tiles, bf16
     y_triton = kg.grouped_w4a4(pairs, offs, *w, a_rows=tok, block_m=16, block_n=64)[:rows]
-    assert y.dtype == torch.bfloat16
-    assert torch.allclose(y.float(), y_triton.float(), rtol=1e-2, atol=1e-3 * y_triton.float().abs().max().item())
+    for big in (False, True):  # default tiles at this size, and the (warp-specialized) prefill tiles
+        kw = wg.wgmma_config(131072, n) if big else {}
+        assert not big or kw["loader_warps"] > 0
+        y = wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, *w, a_rows=tok, **kw)[:rows]
+        assert y.dtype == torch.bfloat16
+        assert torch.allclose(y.float(), y_triton.float(), rtol=1e-2, atol=1e-3 * y_triton.float().abs().max().item())

@@ -81,25 +81,29 @@ SASS_TOOL = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sass_wg
 
 def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
     """Every tile wgmma_config picks (and a few others), compiled for sm_90 in a fresh process (the
-    interpreter that the other tests use patches Triton's language in this one)."""
-    sizes = [(128, 1536), (2048, 1536), (8192, 2048), (131072, 1536)]
+    interpreter that the other tests use patches Triton's language in this one). Tiles with loader warps
+    are the warp-specialized kernel."""
+    sizes = [(128, 1536), (2048, 1536), (8192, 2048), (131072, 1536), (131072, 64)]
     configs = [wg.wgmma_config(r, n) for r, n in sizes]
+    keys = ("block_t", "num_warps", "stages", "chunks", "unroll", "loader_warps", "maxnreg")
     tiles = sorted(
-        {(c["block_t"], c["num_warps"], c["stages"], c["chunks"], c["unroll"]) for c in configs}
-        | {(32, 8, 4, 2, 2), (16, 8, 6, 1, 8), (64, 8, 4, 1, 1)}
+        {tuple(c.get(key) or 0 for key in keys) for c in configs}
+        | {(32, 8, 4, 2, 2, 0, 0), (16, 8, 6, 1, 8, 0, 0), (64, 8, 4, 1, 1, 0, 0), (32, 8, 2, 1, 1, 2, 80)}
     )
+    assert any(t[5] for t in tiles) and any(not t[5] for t in tiles)
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run(
         [sys.executable, SASS_TOOL, "--json", *(",".join(map(str, t)) for t in tiles)],
         capture_output=True,
         text=True,
         env=env,
-        timeout=600,
+        timeout=900,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     reports = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(reports) == len(tiles)
-    for (bt, _, _, kc, un), r in zip(tiles, reports, strict=True):
+    for (bt, nw, _, kc, un, lw, _), r in zip(tiles, reports, strict=True):
+        kc, un = (1, 1) if lw else (kc, un)  # the warp-specialized kernel: one chunk per step, 1-step runs
         assert r["hgmma_shape"] == [f"64x{bt}x16"], r
         # 8 wgmma per 128-K step, A from registers (a shared-memory A would be a second descriptor)
         assert len(r["hgmma_a_operands"]) == 8 * kc * un and all(a.startswith("R") for a in r["hgmma_a_operands"]), r
@@ -108,6 +112,9 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
         # ... and no register an in-flight wgmma reads or accumulates into is rewritten on any path
         assert r["register_hazards"] == [], r
         assert not r["spills"] and r["regs"] <= 255 and r["smem"] <= 227 * 1024, r
+        # loader warps ride in their own warpgroup, with registers handed to the consumers (setmaxnreg)
+        assert r["threads"] == 32 * (nw + (4 if lw else 0)), r
+        assert bool(r["setmaxnreg"]) == bool(lw), r
 
 
 def _sass(*lines: str) -> str:
@@ -158,14 +165,15 @@ class _FakeGluonLaunch_NoGPU:
     and hands back SASS per run length (None: a kernel whose SASS cannot be disassembled)."""
 
     def __init__(self, sass_by_unroll: dict):
-        self.sass_by_unroll, self.launches = sass_by_unroll, []
+        self.sass_by_unroll, self.launches, self.consts = sass_by_unroll, [], []
 
     def __getitem__(self, grid):
         return self._launch
 
-    def _launch(self, *args, UNROLL, **consts):
-        self.launches.append(UNROLL)
-        sass = self.sass_by_unroll[UNROLL]
+    def _launch(self, *args, UNROLL=None, **consts):  # the warp-specialized kernel has no UNROLL
+        self.launches.append(UNROLL if UNROLL is not None else f"ws{consts['LW']}")
+        self.consts.append(consts)
+        sass = self.sass_by_unroll[UNROLL or 1]
 
         class Asm(dict):
             def __getitem__(self, name):
@@ -229,3 +237,37 @@ def test_gemm_checks_its_grouped_rows_like_the_triton_gemm(monkeypatch):
         wg.grouped_w4a4_wgmma(a, s, torch.tensor([2, 5]), *w, a_rows=torch.zeros(3))
     with pytest.raises(NVFP4InputError, match="offs has 3 entries for 2 experts"):
         wg.grouped_w4a4_wgmma(a, s, torch.tensor([1, 2, 5]), *w)
+
+
+def test_gemm_runs_the_warp_specialized_kernel_for_loader_warps(monkeypatch):
+    """loader_warps > 0 launches the warp-specialized kernel (faked: no GPU) with its loader's register
+    budget and the launch's cap; bad warp splits are refused before any launch; a register hazard in
+    its SASS raises (it has no multi-step runs to fall back from)."""
+    fake = _FakeGluonLaunch_NoGPU({1: CLEAN})
+    monkeypatch.setattr(wg, "_w4a4_wgmma_ws_kernel", fake)
+    monkeypatch.setattr(wg, "_w4a4_wgmma_kernel", _FakeGluonLaunch_NoGPU({}))  # must not be launched
+    monkeypatch.setattr(wg, "usable", lambda device, n, k: True)
+    monkeypatch.setattr(wg, "_SASS_CHECKED", {})
+    e, n, k = 2, 64, 512
+    w = (torch.zeros(e, n, k // 2, dtype=torch.uint8), torch.zeros(e, n, k // 16, dtype=torch.uint8), torch.ones(e))
+    a, s, offs = torch.zeros(5, k, dtype=torch.float16), torch.ones(5), torch.tensor([2, 5])
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=16, num_warps=4, stages=2, loader_warps=2, maxnreg=80)
+    assert fake.launches == ["ws2"]
+    c = fake.consts[0]
+    assert (c["LOADER_REGS"], c["maxnreg"], c["STAGES"], c["A_I64"]) == (wg.ws_loader_regs(16, 2), 80, 2, False)
+    for bad in (dict(num_warps=4, loader_warps=4), dict(num_warps=4, loader_warps=3), dict(num_warps=16)):
+        with pytest.raises(NVFP4InputError, match="bad tiles"):
+            wg.grouped_w4a4_wgmma(a, s, offs, *w, **{"block_t": 16, "stages": 3, "loader_warps": 0, **bad})
+    assert fake.launches == ["ws2"]
+    monkeypatch.setattr(wg, "_w4a4_wgmma_ws_kernel", _FakeGluonLaunch_NoGPU({1: HAZARD}))
+    monkeypatch.setattr(wg, "_SASS_CHECKED", {})
+    with pytest.raises(RuntimeError, match="register hazard"):
+        wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=16, num_warps=4, stages=2, loader_warps=2)
+
+
+def test_wgmma_config_uses_the_warp_specialized_kernel_above_4096_rows():
+    for rows, n in [(128, 1536), (4096, 1536), (4097, 1536), (131072, 2048), (131072, 64)]:
+        cfg = wg.wgmma_config(rows, n)
+        lw = cfg.get("loader_warps", 0)
+        assert (lw > 0) == (rows > 4096 and n % 128 == 0), (rows, cfg)
+        assert n % (16 * cfg["num_warps"]) == 0 and 32 * lw <= 16 * cfg["num_warps"], (rows, n, cfg)
