@@ -22,31 +22,38 @@ from quads_megatron.moe_w4a4 import route
 E, HIDDEN, INTER, TOPK = 128, 2048, 768, 8
 
 
-def tiles(rows: int) -> list[tuple[int, int, int, int, int, int | None, int]]:
-    """(block_t, warps, stages, chunks, unroll, maxnreg, loader_warps) worth trying at this many grouped
-    rows. loader_warps > 0: the warp-specialized kernel (cp.async loader warps + mbarrier ring; its
-    maxnreg is the launch's, split between partitions, and sets CTAs per SM). Sweeps of 2026-12-02
-    (session 5, benchmarks/results/probe_wgmma_tiles.txt): 4-warp consumers, 16 warps, deeper rings
-    and an L2 bulk prefetch of each CTA's code rows were slower everywhere."""
+def tiles(rows: int) -> list[tuple[int, int, int, int, int, int | None, int, int]]:
+    """(block_t, warps, stages, chunks, unroll, maxnreg, loader_warps, ctas_per_sm) worth trying at this
+    many grouped rows. loader_warps > 0: the warp-specialized kernel (cp.async loader warps + mbarrier
+    ring; its maxnreg is the launch's, split between partitions, and sets CTAs per SM); ctas_per_sm > 0:
+    its CTAs persist (SMs * ctas_per_sm of them loop over the tiles). Sweeps of 2026-12-02 (session 5,
+    benchmarks/results/probe_wgmma_tiles.txt): 4-warp consumers, 16 warps, deeper rings and an L2 bulk
+    prefetch of each CTA's code rows were slower everywhere."""
     if rows <= 1024:
         return [
-            (16, 8, 3, 1, 1, None, 0),
-            (16, 8, 3, 1, 1, 80, 4),
-            (16, 8, 3, 1, 1, 56, 4),
+            (16, 8, 3, 1, 1, None, 0, 0),
+            (16, 8, 3, 1, 1, 80, 4, 0),
+            (16, 8, 3, 1, 1, 80, 4, 2),
+            (16, 8, 4, 1, 1, 80, 4, 2),
+            (16, 8, 3, 1, 1, 56, 4, 3),
         ]
     if rows <= 4096:
         return [
-            (16, 8, 3, 1, 1, None, 0),
-            (32, 8, 3, 2, 1, None, 0),
-            (32, 8, 4, 1, 1, 80, 4),
-            (16, 8, 3, 1, 1, 80, 4),
+            (16, 8, 3, 1, 1, None, 0, 0),
+            (32, 8, 3, 2, 1, None, 0, 0),
+            (32, 8, 4, 1, 1, 80, 4, 0),
+            (32, 8, 4, 1, 1, 80, 4, 2),
+            (32, 8, 6, 1, 1, 80, 4, 2),
+            (16, 8, 3, 1, 1, 80, 4, 2),
+            (16, 8, 4, 1, 1, 80, 4, 2),
         ]
     return [
-        (64, 8, 4, 1, 1, None, 0),
-        (128, 8, 4, 1, 8, None, 0),
-        (64, 8, 3, 1, 1, 80, 4),
-        (64, 8, 4, 1, 1, 80, 4),
-        (128, 8, 3, 1, 1, 168, 4),
+        (64, 8, 4, 1, 1, None, 0, 0),
+        (128, 8, 4, 1, 8, None, 0, 0),
+        (64, 8, 3, 1, 1, 80, 4, 0),
+        (64, 8, 3, 1, 1, 80, 4, 2),
+        (64, 8, 4, 1, 1, 80, 4, 2),
+        (128, 8, 3, 1, 1, 168, 4, 1),
     ]
 
 
@@ -93,11 +100,20 @@ def main() -> None:
             flush=True,
         )
         res = []
-        for bt, nw, st, kc, un, regs, lw in tiles(rows):
+        for bt, nw, st, kc, un, regs, lw, cps in tiles(rows):
             if time.time() - t0 > args.budget_s:
                 print("budget spent; stopping", flush=True)
                 break
-            kw = dict(block_t=bt, num_warps=nw, stages=st, chunks=kc, unroll=un, maxnreg=regs, loader_warps=lw)
+            kw = dict(
+                block_t=bt,
+                num_warps=nw,
+                stages=st,
+                chunks=kc,
+                unroll=un,
+                maxnreg=regs,
+                loader_warps=lw,
+                ctas_per_sm=cps,
+            )
             try:
                 got = wg.grouped_w4a4_wgmma(
                     perm.values, perm.global_decode, offs, wc, wsc, wsd, torch.float32, tok, **kw
@@ -111,9 +127,9 @@ def main() -> None:
             except Exception as e:  # out of shared memory / registers: report and go on
                 print(f"  tile {kw} failed: {repr(e)[:160]}", flush=True)
                 continue
-            res.append((us, bt, nw, st, kc, un, regs or 0, lw, err))
+            res.append((us, bt, nw, st, kc, un, regs or 0, lw, cps, err))
             print(
-                f"  BT{bt} w{nw} s{st} c{kc} u{un} r{regs or '-'} ws{lw}: {us:.1f} us  {bf16 / us:.2f}x bf16  "
+                f"  BT{bt} w{nw} s{st} c{kc} u{un} r{regs or '-'} ws{lw} p{cps}: {us:.1f} us  {bf16 / us:.2f}x bf16  "
                 f"{fp8 / us:.2f}x fp8  {triton_us / us:.2f}x triton  rel err vs triton {err:.1e}",
                 flush=True,
             )
@@ -122,7 +138,7 @@ def main() -> None:
             d = wg.wgmma_config(rows, 2 * INTER)
             print(
                 f"  best BT{best[1]} w{best[2]} s{best[3]} c{best[4]} u{best[5]} r{best[6] or '-'} ws{best[7]} "
-                f"{best[0]:.1f} us; default {d}; max err {max(r[8] for r in res):.1e}",
+                f"p{best[8]} {best[0]:.1f} us; default {d}; max err {max(r[9] for r in res):.1e}",
                 flush=True,
             )
 

@@ -37,6 +37,7 @@ SIGNATURE = {
     "E": "i32",
     "wsdec_stride": "i32",
 }
+WS_SIGNATURE = {**SIGNATURE, "P": "i32"}  # the warp-specialized kernel's grid (persistent CTAs)
 
 
 def report(
@@ -68,7 +69,7 @@ def report(
     consts["CODES_LAYOUT"] = wg._codes_layout(num_warps)
     src = GluonASTSource(
         fn=wg._w4a4_wgmma_ws_kernel if loader_warps else wg._w4a4_wgmma_kernel,
-        signature={**SIGNATURE, **dict.fromkeys(consts, "constexpr")},
+        signature={**(WS_SIGNATURE if loader_warps else SIGNATURE), **dict.fromkeys(consts, "constexpr")},
         constexprs=consts,
         attrs={(i,): [["tt.divisibility", 16]] for i in range(9)},
     )
@@ -103,7 +104,15 @@ def report(
         "hgmma_shape": sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass))),
         "wgmma_waits": re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass),
         "register_hazards": wgmma_register_hazards(sass),
-        "spills": "STL" in sass or "LDL" in sass,
+        "spills": len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\s", sass)),  # local-memory stores and loads
+        # ... none inside the (consumer's) K loop; and stores only just before a partition gives registers
+        # back (setmaxnreg.dec): the warp-specialized loader parks a few values there and reloads them
+        "loop_spills": sum(1 for ln in loop if re.search(r"\b(?:STL|LDL)\b", ln)),
+        "stores_at_handoff_only": all(
+            any(0 < d - i <= 24 for d, dl in enumerate(lines) if "USETMAXREG.DEALLOC" in dl)
+            for i, ln in enumerate(lines)
+            if re.search(r"\bSTL\b", ln)
+        ),
         "regs": registers_per_thread(compiled.asm["cubin"]),
         "threads": int(re.search(r"\.reqntid (\d+)", compiled.asm["ptx"]).group(1))
         if ".reqntid" in compiled.asm["ptx"]

@@ -17,6 +17,11 @@ run each chunk's decode overlaps the previous chunk's wgmma (wait(1)); the run e
 wgmma left in flight across the loop's back edge had ptxas reuse its register operand (corrupted
 tiles on the H200); inside straight-line code ptxas keeps it. sass_hazards checks exactly that on
 each compiled kernel (grouped_w4a4_wgmma falls back to 1-step runs where it finds a hazard).
+
+Warp-specialized variant (_w4a4_wgmma_ws_kernel, wgmma_config's choice above 4096 grouped rows): a
+loader partition (cp.async, per-slot mbarriers) fills the ring, the consumer warps only wait, decode,
+wgmma and free the slot; with ctas_per_sm its CTAs persist and loop over the tiles. On the H200 the
+load path, not the decode or the MMA, is what most of its time goes to (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -64,6 +69,11 @@ def operand_permutation(k: int, device: torch.device | str = "cpu") -> torch.Ten
 
 
 @functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
 def _capability_ok(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
@@ -78,17 +88,21 @@ def usable(device: torch.device, n: int, k: int) -> bool:
 
 def wgmma_config(rows: int, n: int) -> dict[str, int]:
     """Tiles by grouped rows (tokens * top-k): token tile BT (wgmma N), warps (64 weight rows per
-    warpgroup), ring depth, 128-K chunks per step, k-steps per straight-line run, and above 4096 rows
-    the warp-specialized kernel (loader_warps cp.async warps; maxnreg is the launch's register cap,
-    80: two CTAs per SM), from the H200 sweeps (benchmarks/probe_wgmma_tiles.py, 2026-12-02): shallow
-    rings (more CTAs per SM) at decode sizes; the warp-specialized kernel 3-6% faster at 8192 and
-    32768 rows, even with the single-partition kernel's 128-token 8-step runs at 131072."""
+    warpgroup), ring depth, 128-K chunks per step, k-steps per straight-line run; above 4096 rows the
+    warp-specialized kernel (loader_warps cp.async warps; maxnreg: the launch's register cap, 80 = two
+    CTAs per SM) with persistent CTAs (ctas_per_sm) above 16384 rows. From the H200 sweeps
+    (benchmarks/probe_wgmma_tiles.py, 2026-12-02): shallow rings (more CTAs per SM) at decode sizes;
+    the warp-specialized kernel 3-6% faster than the one-partition kernel at 8192 and 32768 rows;
+    persistent CTAs 3-5% faster at 32768 rows and, with 128-token tiles, at 131072 rows."""
     if rows <= 4096:
         cfg = dict(block_t=16, num_warps=8, stages=3, chunks=1, unroll=1)
-    else:
+    elif rows <= 65536:
         cfg = dict(block_t=64, num_warps=8, stages=3, chunks=1, unroll=1, loader_warps=4, maxnreg=80)
+        cfg["ctas_per_sm"] = 0 if rows <= 16384 else 2
+    else:
+        cfg = dict(block_t=128, num_warps=8, stages=3, chunks=1, unroll=1, loader_warps=4, maxnreg=168, ctas_per_sm=1)
     if n % (ROWS_PER_WARPGROUP * cfg["num_warps"] // 4):  # N a multiple of 64 only: one warpgroup, one partition
-        cfg.update(num_warps=4, loader_warps=0, maxnreg=None)
+        cfg.update(block_t=min(cfg["block_t"], 64), num_warps=4, loader_warps=0, maxnreg=None, ctas_per_sm=0)
     return cfg
 
 
@@ -286,41 +300,33 @@ def _ws_loader(
     w_ptr,
     ws_ptr,
     arows_ptr,
+    offs_ptr,
+    tiles_ptr,
     b_smem,
     w_smem,
     s_smem,
     ready,
     empty,
-    e,
-    t0,
-    n0,
-    row_end,
     N,
+    E,
+    P,
     K: gl.constexpr,
     HAS_AROWS: gl.constexpr,
     A_I64: gl.constexpr,
+    LOG2_E: gl.constexpr,
     BT: gl.constexpr,
     BNW: gl.constexpr,
     LW: gl.constexpr,
 ):
-    """Worker partition (LW warps): cp.async each k-step's activation rows, code and scale bytes into
-    ring slot step % STAGES once the consumers freed it (empty), then arm ready[slot] to complete when
-    this thread's copies land (cp.async.mbarrier.arrive.noinc: ready counts LW * 32 arrivals). Offsets
-    are int32 from per-step scalar bases (few registers per copy); A_I64: token offsets need int64."""
+    """Worker partition (LW warps): for each of this CTA's tiles, cp.async each k-step's activation rows,
+    code and scale bytes into the next ring slot once the consumers freed it (empty), then arm ready[slot]
+    to complete when this thread's copies land (cp.async.mbarrier.arrive.noinc: ready counts LW * 32
+    arrivals). The ring runs on across tiles: the next tile's first steps load during this one's last
+    MMAs and epilogue. Offsets are int32 from per-step scalar bases; A_I64: token offsets need int64."""
     STAGES: gl.constexpr = b_smem.shape[0]
     b_copy: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])  # [BT, 128] fp16, 16 B each
     w_copy: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LW, 1], [1, 0])  # [BNW, 64] u8
     s_copy: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [LW, 1], [1, 0])  # [BNW, 8] u8
-    r = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, b_copy))
-    if HAS_AROWS:
-        tok = gl.load(arows_ptr + r, mask=r < row_end, other=0)
-    else:
-        tok = gl.where(r < row_end, r, 0)  # rows past the expert copy row 0 (never stored)
-    if A_I64:
-        tok = tok.to(gl.int64)
-    else:
-        tok = tok.to(gl.int32)
-    b_off = tok[:, None] * K + gl.arange(0, 128, layout=gl.SliceLayout(0, b_copy))[None, :]
     w_off = (
         gl.arange(0, BNW, layout=gl.SliceLayout(1, w_copy))[:, None] * (K // 2)
         + gl.arange(0, 64, layout=gl.SliceLayout(0, w_copy))[None, :]
@@ -329,14 +335,29 @@ def _ws_loader(
         gl.arange(0, BNW, layout=gl.SliceLayout(1, s_copy))[:, None] * (K // 16)
         + gl.arange(0, 8, layout=gl.SliceLayout(0, s_copy))[None, :]
     )
-    row0 = (e * N + n0).to(gl.int64)
-    for j in range(K // 128):
-        slot = j % STAGES
-        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
-        async_copy.async_copy_global_to_shared(b_smem.index(slot), (a_ptr + j * 128) + b_off)
-        async_copy.async_copy_global_to_shared(w_smem.index(slot), (w_ptr + row0 * (K // 2) + j * 64) + w_off)
-        async_copy.async_copy_global_to_shared(s_smem.index(slot), (ws_ptr + row0 * (K // 16) + j * 8) + s_off)
-        async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+    n_tiles = N // BNW
+    it = 0  # k-steps issued by this CTA so far: ring slot and phase
+    for t in range(gl.program_id(0), gl.load(tiles_ptr + E) * n_tiles, P):
+        e, t0, row_end = _tile_coords(offs_ptr, tiles_ptr, E, t // n_tiles, LOG2_E, BT)
+        r = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, b_copy))
+        if HAS_AROWS:
+            tok = gl.load(arows_ptr + r, mask=r < row_end, other=0)
+        else:
+            tok = gl.where(r < row_end, r, 0)  # rows past the expert copy row 0 (never stored)
+        if A_I64:
+            tok = tok.to(gl.int64)
+        else:
+            tok = tok.to(gl.int32)
+        b_off = tok[:, None] * K + gl.arange(0, 128, layout=gl.SliceLayout(0, b_copy))[None, :]
+        row0 = (e * N + (t % n_tiles) * BNW).to(gl.int64)
+        for j in range(K // 128):
+            slot = it % STAGES
+            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+            async_copy.async_copy_global_to_shared(b_smem.index(slot), (a_ptr + j * 128) + b_off)
+            async_copy.async_copy_global_to_shared(w_smem.index(slot), (w_ptr + row0 * (K // 2) + j * 64) + w_off)
+            async_copy.async_copy_global_to_shared(s_smem.index(slot), (ws_ptr + row0 * (K // 16) + j * 8) + s_off)
+            async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+            it += 1
 
 
 @gluon.jit
@@ -346,43 +367,50 @@ def _ws_consumer(
     s_smem,
     ready,
     empty,
+    offs_ptr,
+    tiles_ptr,
     arows_ptr,
     asdec_ptr,
     wsdec_ptr,
     y_ptr,
-    e,
-    t0,
-    n0,
-    row_end,
     N,
+    E,
+    P,
     wsdec_stride,
     K: gl.constexpr,
     HAS_AROWS: gl.constexpr,
+    LOG2_E: gl.constexpr,
     BT: gl.constexpr,
     NW: gl.constexpr,
     CODES_LAYOUT: gl.constexpr,
 ):
-    """Default partition (NW warps, 64 weight rows per warpgroup): per k-step wait for its slot, decode
-    the codes into wgmma's register operand, wgmma against the activation rows, retire it and free the
-    slot; then the epilogue."""
+    """Default partition (NW warps, 64 weight rows per warpgroup): for each of this CTA's tiles, per
+    k-step wait for its slot, decode the codes into wgmma's register operand, wgmma against the
+    activation rows, retire it and free the slot; then the tile's epilogue."""
     BNW: gl.constexpr = 64 * (NW // 4)
     STAGES: gl.constexpr = b_smem.shape[0]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
-    for j in range(K // 128):
-        slot = j % STAGES
-        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-        hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
-        c = w_smem.index(slot).reshape([BNW, 8, 8]).load(CODES_LAYOUT)
-        sc = s_smem.index(slot).load(gl.SliceLayout(2, CODES_LAYOUT))
-        a = _decode_a(c, sc, BNW, a_layout)
-        acc = hopper.warpgroup_mma(a, b_smem.index(slot).permute((1, 0)), acc, is_async=True)
-        acc = hopper.warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(empty.index(slot), count=1)
-    _store_tile(
-        acc, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, e, t0, n0, row_end, N, wsdec_stride, HAS_AROWS, BT, NW, mma
-    )
+    n_tiles = N // BNW
+    it = 0  # k-steps consumed by this CTA so far
+    for t in range(gl.program_id(0), gl.load(tiles_ptr + E) * n_tiles, P):
+        acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
+        for _ in range(K // 128):
+            slot = it % STAGES
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
+            c = w_smem.index(slot).reshape([BNW, 8, 8]).load(CODES_LAYOUT)
+            sc = s_smem.index(slot).load(gl.SliceLayout(2, CODES_LAYOUT))
+            a = _decode_a(c, sc, BNW, a_layout)
+            acc = hopper.warpgroup_mma(a, b_smem.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(empty.index(slot), count=1)
+            it += 1
+        e, t0, row_end = _tile_coords(offs_ptr, tiles_ptr, E, t // n_tiles, LOG2_E, BT)
+        n0 = (t % n_tiles) * BNW
+        _store_tile(
+            acc, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, e, t0, n0, row_end, N, wsdec_stride, HAS_AROWS, BT, NW, mma
+        )
 
 
 @gluon.jit
@@ -399,6 +427,7 @@ def _w4a4_wgmma_ws_kernel(
     N,
     E,
     wsdec_stride,
+    P,
     K: gl.constexpr,
     HAS_AROWS: gl.constexpr,
     LOG2_E: gl.constexpr,
@@ -411,14 +440,11 @@ def _w4a4_wgmma_ws_kernel(
     CODES_LAYOUT: gl.constexpr,
 ):
     """Warp-specialized variant of _w4a4_wgmma_kernel (one 128-K chunk per step, 1-step runs): LW loader
-    warps fill the ring by cp.async and per-slot mbarriers, the NW consumer warps only decode and
-    issue wgmma; no CTA-wide barrier, each warpgroup runs ahead as far as the ring allows."""
+    warps fill the ring by cp.async and per-slot mbarriers, the NW consumer warps only decode and issue
+    wgmma; no CTA-wide barrier, each warpgroup runs ahead as far as the ring allows. Tiles (row tile,
+    N tile; N fastest) t = program_id, program_id + P, ...: P = the grid, one tile per CTA when it
+    covers them all, else persistent CTAs whose ring runs on from one tile into the next."""
     BNW: gl.constexpr = 64 * (NW // 4)
-    pid = gl.program_id(1)  # N tiles vary fastest: a token tile's rows are re-read from L2, not HBM
-    e, t0, row_end = _tile_coords(offs_ptr, tiles_ptr, E, pid, LOG2_E, BT)
-    if e < 0:
-        return
-    n0 = gl.program_id(0) * BNW
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     b_smem = gl.allocate_shared_memory(
         gl.float16, [STAGES, BT, 128], gl.NVMMASharedLayout.get_default_for([BT, 128], gl.float16)
@@ -430,68 +456,23 @@ def _w4a4_wgmma_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=LW * 32)
         mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize(
+    gl.warp_specialize(  # (argument tuples inline: a tuple variable would turn the constexprs into tensors)
         [
-            (
-                _ws_consumer,
-                (
-                    b_smem,
-                    w_smem,
-                    s_smem,
-                    ready,
-                    empty,
-                    arows_ptr,
-                    asdec_ptr,
-                    wsdec_ptr,
-                    y_ptr,
-                    e,
-                    t0,
-                    n0,
-                    row_end,
-                    N,
-                    wsdec_stride,
-                    K,
-                    HAS_AROWS,
-                    BT,
-                    NW,
-                    CODES_LAYOUT,
-                ),
-            ),
-            (
-                _ws_loader,
-                (
-                    a_ptr,
-                    w_ptr,
-                    ws_ptr,
-                    arows_ptr,
-                    b_smem,
-                    w_smem,
-                    s_smem,
-                    ready,
-                    empty,
-                    e,
-                    t0,
-                    n0,
-                    row_end,
-                    N,
-                    K,
-                    HAS_AROWS,
-                    A_I64,
-                    BT,
-                    BNW,
-                    LW,
-                ),
-            ),
+            (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, offs_ptr, tiles_ptr, arows_ptr, asdec_ptr, wsdec_ptr,
+                            y_ptr, N, E, P, wsdec_stride, K, HAS_AROWS, LOG2_E, BT, NW, CODES_LAYOUT)),
+            (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, offs_ptr, tiles_ptr, b_smem, w_smem, s_smem, ready, empty,
+                          N, E, P, K, HAS_AROWS, A_I64, LOG2_E, BT, BNW, LW)),
         ],
         [LW],
         [LOADER_REGS],
-    )
+    )  # fmt: skip
 
 
 def ws_loader_regs(block_t: int, loader_warps: int) -> int:
     """Registers per thread of the loader warps: one int32 offset per 16-byte activation copy (BT * 16 /
     (32 * loader_warps) per thread) plus the code and scale offsets, without spills (sass_wgmma.py, sm_90)."""
-    return 40 if block_t * 16 <= 8 * 32 * loader_warps else 88
+    copies = block_t * 16 // (32 * loader_warps)
+    return 40 if copies <= 4 else 48 if copies <= 8 else 88
 
 
 def faster_than_triton(rows: int) -> bool:
@@ -541,6 +522,7 @@ def grouped_w4a4_wgmma(
     unroll: int | None = None,
     maxnreg: int | None = None,
     loader_warps: int | None = None,
+    ctas_per_sm: int | None = None,
 ) -> torch.Tensor:
     """y [rows, N] = S_dec_a * S_dec_w[e] * (A @ W_e^T) for the grouped rows of offs (see grouped_w4a4).
 
@@ -551,7 +533,8 @@ def grouped_w4a4_wgmma(
     straight-line run (run_length); maxnreg: a register cap per thread (None: ptxas decides; the
     warp-specialized kernel's cap is the launch's, split between its partitions); loader_warps: > 0
     runs the warp-specialized kernel with that many cp.async loader warps (one chunk per step, 1-step
-    runs; 0 the single-partition kernel).
+    runs; 0 the single-partition kernel); ctas_per_sm: its CTAs persist, SMs * ctas_per_sm of them
+    looping over the tiles (0: one CTA per tile).
 
     Each compiled tile's SASS is checked once (sass_hazards): multi-step runs whose wgmma register
     operand could be rewritten in flight (or whose SASS cannot be read) fall back to 1-step runs,
@@ -571,8 +554,9 @@ def grouped_w4a4_wgmma(
     num_warps = num_warps or cfg["num_warps"]
     stages = stages or cfg["stages"]
     chunks = chunks or cfg["chunks"]
-    loader_warps = cfg.get("loader_warps", 0) if loader_warps is None else loader_warps
-    maxnreg = maxnreg or cfg.get("maxnreg")
+    if loader_warps is None:  # the configured kernel, with its register cap and persistence
+        loader_warps, maxnreg = cfg.get("loader_warps", 0), maxnreg or cfg.get("maxnreg")
+        ctas_per_sm = cfg.get("ctas_per_sm", 0) if ctas_per_sm is None else ctas_per_sm
     if k % (CHUNK * chunks) or loader_warps:
         chunks = 1
     unroll = 1 if loader_warps else run_length(k, chunks, unroll or cfg["unroll"])
@@ -581,7 +565,7 @@ def grouped_w4a4_wgmma(
     bad_loader = loader_warps not in (0, 1, 2, 4) or 32 * loader_warps > ROWS_PER_WARPGROUP * num_warps // 4
     if bad_warps or stages < min_stages or chunks not in (1, 2) or bad_loader:
         raise NVFP4InputError(
-            f"bad tiles: num_warps={num_warps} (4 or 8, N % (16 * warps) == 0), stages={stages} "
+            f"bad tiles: num_warps={num_warps} (4 or 8, 16 with loader warps; N % (16 * warps) == 0), stages={stages} "
             f"(>= {min_stages} with {unroll}-step runs), chunks={chunks} (1 or 2), loader_warps="
             f"{loader_warps} (0, 1, 2 or 4, at most one per 32 weight rows of a CTA)"
         )
@@ -611,7 +595,9 @@ def grouped_w4a4_wgmma(
         consts.update(
             LW=loader_warps, LOADER_REGS=ws_loader_regs(block_t, loader_warps), A_I64=values.shape[0] * k >= 2**31
         )
-        kernel = _w4a4_wgmma_ws_kernel[grid](*args, **consts)
+        tiles_ub = grid[0] * grid[1]  # row tiles are known on the device only: their upper bound
+        p = min(tiles_ub, _sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub
+        kernel = _w4a4_wgmma_ws_kernel[(p,)](*args, p, **consts)
         if _register_hazards(kernel):  # 1-step runs: none expected; refuse rather than return a wrong tile
             raise RuntimeError(f"wgmma register hazard in the warp-specialized Gluon GEMM: {_register_hazards(kernel)}")
         return y

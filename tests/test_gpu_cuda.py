@@ -203,23 +203,26 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
             block_m=16,
             block_n=64,
         )[:rows]
-        for bt, nw, st, kc, un, regs, lw in [
-            (16, 4, 3, 1, 1, None, 0),
-            (16, 8, 2, 2, 1, None, 0),
-            (16, 8, 8, 1, 4, None, 0),
-            (16, 8, 4, 2, 4, 128, 0),
-            (32, 8, 3, 2, 1, None, 0),
-            (32, 8, 6, 1, 8, None, 0),
-            (64, 8, 4, 1, 1, None, 0),
-            (128, 8, 4, 1, 4, None, 0),
-            (16, 8, 3, 1, 1, 80, 4),  # warp-specialized: loader warps fill an mbarrier ring
-            (64, 8, 3, 1, 1, 80, 4),
-            (32, 8, 2, 1, 1, 80, 2),
-            (64, 4, 3, 1, 1, None, 2),
-            (128, 8, 3, 1, 1, 168, 4),
+        for bt, nw, st, kc, un, regs, lw, cps in [
+            (16, 4, 3, 1, 1, None, 0, 0),
+            (16, 8, 2, 2, 1, None, 0, 0),
+            (16, 8, 8, 1, 4, None, 0, 0),
+            (16, 8, 4, 2, 4, 128, 0, 0),
+            (32, 8, 3, 2, 1, None, 0, 0),
+            (32, 8, 6, 1, 8, None, 0, 0),
+            (64, 8, 4, 1, 1, None, 0, 0),
+            (128, 8, 4, 1, 4, None, 0, 0),
+            (16, 8, 3, 1, 1, 80, 4, 0),  # warp-specialized: loader warps fill an mbarrier ring
+            (64, 8, 3, 1, 1, 80, 4, 0),
+            (32, 8, 2, 1, 1, 80, 2, 0),
+            (64, 4, 3, 1, 1, None, 2, 0),
+            (16, 8, 3, 1, 1, 80, 4, 2),  # ... with persistent CTAs: several tiles each, one ring across them
+            (64, 8, 3, 1, 1, 80, 4, 2),
+            (128, 8, 3, 1, 1, 168, 4, 1),
         ]:  # unroll: k-steps per straight-line run (each decode but the run's first overlaps a wgmma); unroll 1
             # with 2 stages: the ring refills the slot of the step just retired
             kw = dict(block_t=bt, num_warps=nw, stages=st, chunks=kc, unroll=un, maxnreg=regs, loader_warps=lw)
+            kw["ctas_per_sm"] = cps
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a register-hazard fallback would warn
                 got = wg.grouped_w4a4_wgmma(a, s_dec, offs, *w, torch.float32, a_rows, **kw)
@@ -227,8 +230,8 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
             assert err < 1e-6, (kw, err)
             assert torch.allclose(got[:rows], want, rtol=1e-4, atol=1e-5 * want.abs().max().item()), kw
     y_triton = kg.grouped_w4a4(pairs, offs, *w, a_rows=tok, block_m=16, block_n=64)[:rows]
-    for big in (False, True):  # default tiles at this size, and the (warp-specialized) prefill tiles
-        kw = wg.wgmma_config(131072, n) if big else {}
+    for big in (0, 8192, 32768, 131072):  # default tiles at this size, and the (warp-specialized) prefill tiles
+        kw = wg.wgmma_config(big, n) if big else {}
         assert not big or kw["loader_warps"] > 0
         y = wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, *w, a_rows=tok, **kw)[:rows]
         assert y.dtype == torch.bfloat16

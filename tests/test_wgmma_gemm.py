@@ -83,9 +83,9 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
     """Every tile wgmma_config picks (and a few others), compiled for sm_90 in a fresh process (the
     interpreter that the other tests use patches Triton's language in this one). Tiles with loader warps
     are the warp-specialized kernel."""
-    sizes = [(128, 1536), (2048, 1536), (8192, 2048), (131072, 1536), (131072, 64)]
+    sizes = [(128, 1536), (2048, 1536), (8192, 2048), (32768, 1536), (131072, 1536), (131072, 64)]
     configs = [wg.wgmma_config(r, n) for r, n in sizes]
-    keys = ("block_t", "num_warps", "stages", "chunks", "unroll", "loader_warps", "maxnreg")
+    keys = ("block_t", "num_warps", "stages", "chunks", "unroll", "loader_warps", "maxnreg")  # persistence: a grid size
     tiles = sorted(
         {tuple(c.get(key) or 0 for key in keys) for c in configs}
         | {(32, 8, 4, 2, 2, 0, 0), (16, 8, 6, 1, 8, 0, 0), (64, 8, 4, 1, 1, 0, 0), (32, 8, 2, 1, 1, 2, 80)}
@@ -111,7 +111,10 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
         assert r["wgmma_waits"][: kc * un] == ["0x1"] * (kc * un - 1) + ["0x0"], r
         # ... and no register an in-flight wgmma reads or accumulates into is rewritten on any path
         assert r["register_hazards"] == [], r
-        assert not r["spills"] and r["regs"] <= 255 and r["smem"] <= 227 * 1024, r
+        # no local memory, but for the loader's register handoff in the warp-specialized kernel (a few
+        # values stored just before its registers shrink to 24, reloaded after they grow); none in the K loop
+        assert r["regs"] <= 255 and r["smem"] <= 227 * 1024, r
+        assert r["loop_spills"] == 0 and (r["stores_at_handoff_only"] if lw else r["spills"] == 0), r
         # loader warps ride in their own warpgroup, with registers handed to the consumers (setmaxnreg)
         assert r["threads"] == 32 * (nw + (4 if lw else 0)), r
         assert bool(r["setmaxnreg"]) == bool(lw), r
@@ -165,14 +168,16 @@ class _FakeGluonLaunch_NoGPU:
     and hands back SASS per run length (None: a kernel whose SASS cannot be disassembled)."""
 
     def __init__(self, sass_by_unroll: dict):
-        self.sass_by_unroll, self.launches, self.consts = sass_by_unroll, [], []
+        self.sass_by_unroll, self.launches, self.consts, self.grids, self.args = sass_by_unroll, [], [], [], []
 
     def __getitem__(self, grid):
+        self.grids.append(grid)
         return self._launch
 
     def _launch(self, *args, UNROLL=None, **consts):  # the warp-specialized kernel has no UNROLL
         self.launches.append(UNROLL if UNROLL is not None else f"ws{consts['LW']}")
         self.consts.append(consts)
+        self.args.append(args)
         sass = self.sass_by_unroll[UNROLL or 1]
 
         class Asm(dict):
@@ -255,19 +260,33 @@ def test_gemm_runs_the_warp_specialized_kernel_for_loader_warps(monkeypatch):
     assert fake.launches == ["ws2"]
     c = fake.consts[0]
     assert (c["LOADER_REGS"], c["maxnreg"], c["STAGES"], c["A_I64"]) == (wg.ws_loader_regs(16, 2), 80, 2, False)
+    # one CTA per tile, P = the grid: its upper bound (ceil(5 rows / 16) + 2 experts) * 1 N tile
+    assert fake.grids[0] == (3,) and fake.args[0][-1] == 3
+    monkeypatch.setattr(wg, "_sm_count", lambda device: 1)  # persistent CTAs: SMs * ctas_per_sm, at most the tiles
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=16, num_warps=4, stages=2, loader_warps=2, ctas_per_sm=1)
+    assert fake.grids[1] == (1,) and fake.args[1][-1] == 1
     for bad in (dict(num_warps=4, loader_warps=4), dict(num_warps=4, loader_warps=3), dict(num_warps=16)):
         with pytest.raises(NVFP4InputError, match="bad tiles"):
             wg.grouped_w4a4_wgmma(a, s, offs, *w, **{"block_t": 16, "stages": 3, "loader_warps": 0, **bad})
-    assert fake.launches == ["ws2"]
+    assert fake.launches == ["ws2", "ws2"]
     monkeypatch.setattr(wg, "_w4a4_wgmma_ws_kernel", _FakeGluonLaunch_NoGPU({1: HAZARD}))
     monkeypatch.setattr(wg, "_SASS_CHECKED", {})
     with pytest.raises(RuntimeError, match="register hazard"):
         wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=16, num_warps=4, stages=2, loader_warps=2)
 
 
-def test_wgmma_config_uses_the_warp_specialized_kernel_above_4096_rows():
-    for rows, n in [(128, 1536), (4096, 1536), (4097, 1536), (131072, 2048), (131072, 64)]:
+def test_wgmma_config_uses_the_warp_specialized_kernel_above_4096_rows_persistent_above_16384():
+    for rows, n in [
+        (128, 1536),
+        (4096, 1536),
+        (4097, 1536),
+        (16384, 1536),
+        (16385, 1536),
+        (131072, 2048),
+        (131072, 64),
+    ]:
         cfg = wg.wgmma_config(rows, n)
         lw = cfg.get("loader_warps", 0)
         assert (lw > 0) == (rows > 4096 and n % 128 == 0), (rows, cfg)
+        assert (cfg.get("ctas_per_sm", 0) > 0) == (rows > 16384 and n % 128 == 0), (rows, cfg)
         assert n % (16 * cfg["num_warps"]) == 0 and 32 * lw <= 16 * cfg["num_warps"], (rows, n, cfg)
