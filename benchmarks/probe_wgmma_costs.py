@@ -1,0 +1,123 @@
+"""Device probe: where the warp-specialized Gluon GEMM's time goes (kernels/w4a4_wgmma.py).
+
+python benchmarks/probe_wgmma_costs.py [--tokens 256,4096,16384]
+(CUDA GPU; CUDA-graph replay medians; Qwen3-30B-A3B fc1, token-indexed rows as moe_w4a4 runs fc1)
+
+Times the kernel at its wgmma_config tiles next to three scratch variants of its consumer partition,
+made by rewriting the module's source (so they always follow the shipped kernel; a rewrite that no
+longer matches raises):
+  loads only  - the consumers wait for each slot and free it: the loader partition's own speed;
+  no decode   - step 0's codes decoded once, those registers fed to every wgmma;
+  no MMA      - the decoded operand summed into the accumulator instead of a wgmma.
+Also the loads-only variant on contiguous rows (one operand row per grouped row: no token gather).
+The variants compute garbage; only their times mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+
+import torch
+import triton.testing
+from quads_megatron.kernels import w4a4_grouped as kg
+from quads_megatron.kernels import w4a4_wgmma as wg
+
+from quads_megatron import nvfp4
+from quads_megatron.moe_w4a4 import route
+
+E, HIDDEN, INTER, TOPK = 128, 2048, 768, 8
+
+LOOP_HEAD = """            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
+            c = w_smem.index(slot).reshape([BNW, 8, 8]).load(CODES_LAYOUT)
+            sc = s_smem.index(slot).load(gl.SliceLayout(2, CODES_LAYOUT))
+            a = _decode_a(c, sc, BNW, a_layout)
+"""
+LOOP_MMA = """            acc = hopper.warpgroup_mma(a, b_smem.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+"""
+TILE_HEAD = """        acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
+"""
+VARIANTS = {
+    "loads only": [(LOOP_HEAD, "            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)\n"), (LOOP_MMA, "")],
+    "no decode": [
+        (
+            TILE_HEAD,
+            TILE_HEAD
+            + """        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+        a = _decode_a(w_smem.index(it % STAGES).reshape([BNW, 8, 8]).load(CODES_LAYOUT),
+                      s_smem.index(it % STAGES).load(gl.SliceLayout(2, CODES_LAYOUT)), BNW, a_layout)
+""",
+        ),
+        (LOOP_HEAD, LOOP_HEAD.split("            c = ")[0]),
+    ],
+    "no MMA": [
+        (
+            LOOP_MMA,
+            "            acc += gl.convert_layout(gl.sum(a.to(gl.float32), axis=1), gl.SliceLayout(1, mma))[:, None]\n",
+        )
+    ],
+}
+
+
+def variant(name: str):
+    """The w4a4_wgmma module with its consumer partition rewritten as VARIANTS[name]."""
+    src = open(wg.__file__).read()
+    for old, new in VARIANTS[name]:
+        if src.count(old) != 1:
+            raise RuntimeError(f"{name}: the consumer loop no longer matches this probe's rewrite")
+        src = src.replace(old, new)
+    path = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False).name  # Gluon reads the source file
+    with open(path, "w") as f:
+        f.write(src)
+    mod_name = f"quads_megatron.kernels._probe_{name.replace(' ', '_')}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def bench(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="256,4096,16384")
+    args = ap.parse_args()
+    mods = {"full": wg, **{name: variant(name) for name in VARIANTS}}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(E, 2 * INTER, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+    wc, wsc, wsd = kg.stack_expert_weights([nvfp4.quantize(w[e]) for e in range(E)])
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        ids = torch.randn(tokens, E, generator=g, device="cuda").topk(TOPK, dim=-1).indices
+        order, offs, _ = route(ids, E)
+        tok = (order // TOPK).to(torch.int32)
+        rows = int(offs[-1])
+        perm = kg.activation_operand(torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16(), order="wgmma")
+        cfg = wg.wgmma_config(rows, 2 * INTER)
+        if not cfg.get("loader_warps"):  # below 4096 rows the default is the one-partition kernel
+            cfg.update(block_t=32, stages=4, loader_warps=4, maxnreg=80, ctas_per_sm=0)
+        out = []
+        for name, mod in mods.items():
+            us = bench(
+                lambda mod=mod: mod.grouped_w4a4_wgmma(
+                    perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, **cfg
+                )
+            )
+            out.append(f"{name} {us:.1f}")
+        rows_op = perm.values[tok.long()].contiguous(), perm.global_decode.reshape(-1)[tok.long()].contiguous()
+        us = bench(lambda: mods["loads only"].grouped_w4a4_wgmma(*rows_op, offs, wc, wsc, wsd, **cfg))
+        out.append(f"loads only, contiguous rows {us:.1f}")
+        tiles = {k: cfg[k] for k in ("block_t", "num_warps", "stages", "loader_warps", "maxnreg", "ctas_per_sm")}
+        print(f"tokens {tokens} rows {rows} {tiles}: " + " | ".join(out) + " us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
