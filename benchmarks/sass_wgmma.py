@@ -1,9 +1,10 @@
 """Offline (no GPU): compile the Gluon Hopper W4A4 GEMM (kernels/w4a4_wgmma.py) for sm_90 and report
 what its SASS does.
 
-    python benchmarks/sass_wgmma.py 16,8,4,2,4 64,8,4,1,4 [--k 2048] [--json] [--dump DIR]
+    python benchmarks/sass_wgmma.py 16,8,4,2,4 64,8,4,1,4 64,8,3,1,1,4,80 [--k 2048] [--json] [--dump DIR]
 
-Per tile (token tile BT, warps, ring stages, 128-K chunks per step, k-steps per straight-line run):
+Per tile (token tile BT, warps, ring stages, 128-K chunks per step, k-steps per straight-line run;
+then loader warps and the launch's register cap for the warp-specialized kernel):
 the A operand of each HGMMA (a register means the decoded weights feed wgmma directly), the wgmma
 waits (0x1: the next decode overlaps the wgmma), the register hazards sass_hazards finds (a register
 of an in-flight wgmma rewritten: what corrupted tiles on the H200 when a wgmma stayed in flight across
