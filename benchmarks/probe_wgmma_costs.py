@@ -17,47 +17,52 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import tempfile
 
 import torch
-import triton.testing
 from quads_megatron.kernels import w4a4_grouped as kg
 from quads_megatron.kernels import w4a4_wgmma as wg
 
-from quads_megatron import nvfp4
-from quads_megatron.moe_w4a4 import route
+# the checkout last: an installed quads_megatron (its kernels/ mapped in) wins over the source tree
+sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.probe_wgmma_tiles import HIDDEN, INTER, bench, fc1_rows, fc1_weights  # noqa: E402
 
-E, HIDDEN, INTER, TOPK = 128, 2048, 768, 8
-
-LOOP_HEAD = """            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-            hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
-            c = w_smem.index(slot).reshape([BNW, 8, 8]).load(CODES_LAYOUT)
-            sc = s_smem.index(slot).load(gl.SliceLayout(2, CODES_LAYOUT))
-            a = _decode_a(c, sc, BNW, a_layout)
+FENCE = """            hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
 """
-LOOP_MMA = """            acc = hopper.warpgroup_mma(a, b_smem.index(slot).permute((1, 0)), acc, is_async=True)
+STEP = """            acc = _decode_and_mma(b_smem, w_smem, s_smem, slot, acc, BNW, CODES_LAYOUT)
             acc = hopper.warpgroup_mma_wait(0, deps=[acc])
 """
 TILE_HEAD = """        acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
 """
+A_LAYOUT = "gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)"
+DECODE = """_decode_a(w_smem.index({s}).reshape([BNW, 8, 8]).load(CODES_LAYOUT),
+                      s_smem.index({s}).load(gl.SliceLayout(2, CODES_LAYOUT)), BNW, {layout})"""
 VARIANTS = {
-    "loads only": [(LOOP_HEAD, "            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)\n"), (LOOP_MMA, "")],
+    "loads only": [(FENCE + STEP, "")],
     "no decode": [
         (
             TILE_HEAD,
             TILE_HEAD
-            + """        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
-        a = _decode_a(w_smem.index(it % STAGES).reshape([BNW, 8, 8]).load(CODES_LAYOUT),
-                      s_smem.index(it % STAGES).load(gl.SliceLayout(2, CODES_LAYOUT)), BNW, a_layout)
-""",
+            + "        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)\n"
+            + "        a = "
+            + DECODE.format(s="it % STAGES", layout=A_LAYOUT)
+            + "\n",
         ),
-        (LOOP_HEAD, LOOP_HEAD.split("            c = ")[0]),
+        (
+            STEP,
+            "            acc = hopper.warpgroup_mma(a, b_smem.index(slot).permute((1, 0)), acc, is_async=True)\n"
+            "            acc = hopper.warpgroup_mma_wait(0, deps=[acc])\n",
+        ),
     ],
     "no MMA": [
         (
-            LOOP_MMA,
-            "            acc += gl.convert_layout(gl.sum(a.to(gl.float32), axis=1), gl.SliceLayout(1, mma))[:, None]\n",
+            STEP,
+            "            a = "
+            + DECODE.format(s="slot", layout=A_LAYOUT)
+            + "\n            acc += gl.convert_layout(gl.sum(a.to(gl.float32), axis=1),"
+            + " gl.SliceLayout(1, mma))[:, None]\n",
         )
     ],
 }
@@ -81,25 +86,15 @@ def variant(name: str):
     return mod
 
 
-def bench(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="256,4096,16384")
     args = ap.parse_args()
     mods = {"full": wg, **{name: variant(name) for name in VARIANTS}}
     g = torch.Generator(device="cuda").manual_seed(0)
-    w = torch.randn(E, 2 * INTER, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
-    wc, wsc, wsd = kg.stack_expert_weights([nvfp4.quantize(w[e]) for e in range(E)])
+    _, (wc, wsc, wsd) = fc1_weights(g)
     for tokens in (int(t) for t in args.tokens.split(",")):
-        ids = torch.randn(tokens, E, generator=g, device="cuda").topk(TOPK, dim=-1).indices
-        order, offs, _ = route(ids, E)
-        tok = (order // TOPK).to(torch.int32)
-        rows = int(offs[-1])
+        offs, tok, rows = fc1_rows(tokens, g)
         perm = kg.activation_operand(torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16(), order="wgmma")
         cfg = wg.wgmma_config(rows, 2 * INTER)
         if not cfg.get("loader_warps"):  # below 4096 rows the default is the one-partition kernel

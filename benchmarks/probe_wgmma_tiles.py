@@ -61,6 +61,19 @@ def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
 
 
+def fc1_weights(g: torch.Generator) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Random bf16 fc1 weights [E, 2I, H] and their NVFP4 (codes, scales, S_dec) stacked per expert."""
+    w = torch.randn(E, 2 * INTER, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+    return w, kg.stack_expert_weights([nvfp4.quantize(w[e]) for e in range(E)])
+
+
+def fc1_rows(tokens: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Random top-k routing of tokens: expert offsets, each grouped row's token (int32), grouped rows."""
+    ids = torch.randn(tokens, E, generator=g, device="cuda").topk(TOPK, dim=-1).indices
+    order, offs, _ = route(ids, E)
+    return offs, (order // TOPK).to(torch.int32), int(offs[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="16,64,256,1024,4096,16384")
@@ -68,15 +81,11 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
-    w = torch.randn(E, 2 * INTER, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+    w, (wc, wsc, wsd) = fc1_weights(g)
     w_amax = w.float().abs().amax(-1)
     w8 = (w.float() / (w_amax / 448).unsqueeze(-1)).to(torch.float8_e4m3fn)
-    wc, wsc, wsd = kg.stack_expert_weights([nvfp4.quantize(w[e]) for e in range(E)])
     for tokens in (int(t) for t in args.tokens.split(",")):
-        ids = torch.randn(tokens, E, generator=g, device="cuda").topk(TOPK, dim=-1).indices
-        order, offs, _ = route(ids, E)
-        tok = (order // TOPK).to(torch.int32)
-        rows = int(offs[-1])
+        offs, tok, rows = fc1_rows(tokens, g)
         xt = (
             torch.randn(tokens, HIDDEN, generator=g, device="cuda")
             * torch.exp(torch.randn(HIDDEN, generator=g, device="cuda"))

@@ -138,6 +138,30 @@ def _decode_a(c, sc, BNW: gl.constexpr, A_LAYOUT: gl.constexpr):
 
 
 @gluon.jit
+def _alloc_ring(SLOTS: gl.constexpr, BT: gl.constexpr, BNW: gl.constexpr):
+    """Shared-memory ring of SLOTS buffers, each one 128-K chunk: activation rows fp16 [BT, 128]
+    (wgmma's B layout), code bytes u8 [BNW, 64] and scale bytes u8 [BNW, 8]."""
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    b_smem = gl.allocate_shared_memory(
+        gl.float16, [SLOTS, BT, 128], gl.NVMMASharedLayout.get_default_for([BT, 128], gl.float16)
+    )
+    w_smem = gl.allocate_shared_memory(gl.uint8, [SLOTS, BNW, 64], plain)
+    s_smem = gl.allocate_shared_memory(gl.uint8, [SLOTS, BNW, 8], plain)
+    return b_smem, w_smem, s_smem
+
+
+@gluon.jit
+def _decode_and_mma(b_smem, w_smem, s_smem, buf, acc, BNW: gl.constexpr, CODES_LAYOUT: gl.constexpr):
+    """Decode ring buffer buf's codes into wgmma's register operand and issue the (async) wgmma against
+    its activation rows; the caller retires it."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+    c = w_smem.index(buf).reshape([BNW, 8, 8]).load(CODES_LAYOUT)
+    sc = s_smem.index(buf).load(gl.SliceLayout(2, CODES_LAYOUT))
+    a = _decode_a(c, sc, BNW, a_layout)
+    return hopper.warpgroup_mma(a, b_smem.index(buf).permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
 def _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, step, slot, KC: gl.constexpr):
     """cp.async the activation rows, code bytes and scale bytes of k-step `step` (KC chunks) into `slot`."""
     for ch in gl.static_range(KC):
@@ -231,16 +255,10 @@ def _w4a4_wgmma_kernel(
     n0 = gl.program_id(0) * BNW
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_copy: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])  # [BT, 128] fp16, 16 B each
     w_copy: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])  # [BNW, 64] u8
     s_copy: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NW, 1], [1, 0])  # [BNW, 8] u8
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    b_smem = gl.allocate_shared_memory(  # buffer slot * KC + chunk
-        gl.float16, [STAGES * KC, BT, 128], gl.NVMMASharedLayout.get_default_for([BT, 128], gl.float16)
-    )
-    w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * KC, BNW, 64], plain)
-    s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * KC, BNW, 8], plain)
+    b_smem, w_smem, s_smem = _alloc_ring(STAGES * KC, BT, BNW)  # buffer slot * KC + chunk
 
     r = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, b_copy))
     if HAS_AROWS:
@@ -278,11 +296,7 @@ def _w4a4_wgmma_kernel(
                 _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, nxt, nxt % STAGES, KC)
             async_copy.commit_group()
             for ch in gl.static_range(KC):
-                buf = slot * KC + ch
-                c = w_smem.index(buf).reshape([BNW, 8, 8]).load(CODES_LAYOUT)
-                sc = s_smem.index(buf).load(gl.SliceLayout(2, CODES_LAYOUT))
-                a = _decode_a(c, sc, BNW, a_layout)
-                acc = hopper.warpgroup_mma(a, b_smem.index(buf).permute((1, 0)), acc, is_async=True)
+                acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT)
                 if uu * KC + ch == UNROLL * KC - 1:
                     acc = hopper.warpgroup_mma_wait(0, deps=[acc])
                 else:
@@ -390,7 +404,6 @@ def _ws_consumer(
     BNW: gl.constexpr = 64 * (NW // 4)
     STAGES: gl.constexpr = b_smem.shape[0]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     n_tiles = N // BNW
     it = 0  # k-steps consumed by this CTA so far
     for t in range(gl.program_id(0), gl.load(tiles_ptr + E) * n_tiles, P):
@@ -399,10 +412,7 @@ def _ws_consumer(
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
             hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
-            c = w_smem.index(slot).reshape([BNW, 8, 8]).load(CODES_LAYOUT)
-            sc = s_smem.index(slot).load(gl.SliceLayout(2, CODES_LAYOUT))
-            a = _decode_a(c, sc, BNW, a_layout)
-            acc = hopper.warpgroup_mma(a, b_smem.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = _decode_and_mma(b_smem, w_smem, s_smem, slot, acc, BNW, CODES_LAYOUT)
             acc = hopper.warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index(slot), count=1)
             it += 1
@@ -445,12 +455,7 @@ def _w4a4_wgmma_ws_kernel(
     N tile; N fastest) t = program_id, program_id + P, ...: P = the grid, one tile per CTA when it
     covers them all, else persistent CTAs whose ring runs on from one tile into the next."""
     BNW: gl.constexpr = 64 * (NW // 4)
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    b_smem = gl.allocate_shared_memory(
-        gl.float16, [STAGES, BT, 128], gl.NVMMASharedLayout.get_default_for([BT, 128], gl.float16)
-    )
-    w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BNW, 64], plain)
-    s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BNW, 8], plain)
+    b_smem, w_smem, s_smem = _alloc_ring(STAGES, BT, BNW)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
