@@ -31,8 +31,9 @@ from benchmarks.probe_wgmma_tiles import HIDDEN, INTER, bench, fc1_rows, fc1_wei
 
 FENCE = """            hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
 """
-STEP = """            acc = _decode_and_mma(b_smem, w_smem, s_smem, slot, acc, BNW, CODES_LAYOUT)
-            acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+STEP = """            for ch in gl.static_range(KC):
+                acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT)
+                acc = hopper.warpgroup_mma_wait(0, deps=[acc])
 """
 TILE_HEAD = """        acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
 """
@@ -47,21 +48,24 @@ VARIANTS = {
             TILE_HEAD
             + "        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)\n"
             + "        a = "
-            + DECODE.format(s="it % STAGES", layout=A_LAYOUT)
+            + DECODE.format(s="(it % STAGES) * KC", layout=A_LAYOUT)
             + "\n",
         ),
         (
             STEP,
-            "            acc = hopper.warpgroup_mma(a, b_smem.index(slot).permute((1, 0)), acc, is_async=True)\n"
-            "            acc = hopper.warpgroup_mma_wait(0, deps=[acc])\n",
+            "            for ch in gl.static_range(KC):\n"
+            "                b = b_smem.index(slot * KC + ch).permute((1, 0))\n"
+            "                acc = hopper.warpgroup_mma(a, b, acc, is_async=True)\n"
+            "                acc = hopper.warpgroup_mma_wait(0, deps=[acc])\n",
         ),
     ],
     "no MMA": [
         (
             STEP,
-            "            a = "
-            + DECODE.format(s="slot", layout=A_LAYOUT)
-            + "\n            acc += gl.convert_layout(gl.sum(a.to(gl.float32), axis=1),"
+            "            for ch in gl.static_range(KC):\n"
+            "                a = "
+            + DECODE.format(s="slot * KC + ch", layout=A_LAYOUT)
+            + "\n                acc += gl.convert_layout(gl.sum(a.to(gl.float32), axis=1),"
             + " gl.SliceLayout(1, mma))[:, None]\n",
         )
     ],

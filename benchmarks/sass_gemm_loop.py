@@ -26,12 +26,12 @@ SIGNATURE = {
     **dict.fromkeys(["as_ptr", "r_ptr", "rs_ptr", "w_ptr", "ws_ptr"], "*u8"),
     **dict.fromkeys(["asdec_ptr", "wsdec_ptr"], "*fp32"),
     "rmask_ptr": "*i8",
-    **dict.fromkeys(["offs_ptr", "tiles_ptr"], "*i32"),
+    "tmap_ptr": "*i32",
     "arows_ptr": "*i64",
     "y_ptr": "*bf16",
-    **dict.fromkeys(["N", "E", "rmask_estride", "wsdec_stride"], "i32"),
+    **dict.fromkeys(["N", "rmask_estride", "wsdec_stride"], "i32"),
 }
-CONSTEXPRS = ["K", "HAS_RES", "HAS_AROWS", "LOG2_E", "USE_ASM", "A_OPERAND", "OUT_BF16", "BM", "BN", "BK"]
+CONSTEXPRS = ["K", "HAS_RES", "HAS_AROWS", "USE_ASM", "A_OPERAND", "OUT_BF16", "BM", "BN", "BK"]
 
 
 def registers_per_thread(cubin: bytes) -> int | None:
@@ -48,14 +48,14 @@ def registers_per_thread(cubin: bytes) -> int | None:
 
 
 def loop_stats(bm: int, bn: int, bk: int, warps: int, stages: int, k: int = 2048, a_rows: bool = False, dump=None):
-    consts = dict(K=k, HAS_RES=False, HAS_AROWS=a_rows, LOG2_E=7, USE_ASM=True, A_OPERAND=True, OUT_BF16=True)
+    consts = dict(K=k, HAS_RES=False, HAS_AROWS=a_rows, USE_ASM=True, A_OPERAND=True, OUT_BF16=True)
     consts.update(BM=bm, BN=bn, BK=bk)
     sig = {**SIGNATURE, **dict.fromkeys(CONSTEXPRS, "constexpr")}
     src = ASTSource(
         fn=kg._grouped_w4a4_kernel,
         signature=sig,
         constexprs=consts,
-        attrs={(i,): [["tt.divisibility", 16]] for i in range(13)},
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(12)},
     )
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     sass = compiled.asm["sass"]

@@ -30,12 +30,10 @@ SIGNATURE = {
     "w_ptr": "*u8",
     "ws_ptr": "*u8",
     "wsdec_ptr": "*fp32",
-    "offs_ptr": "*i32",
-    "tiles_ptr": "*i32",
+    "tmap_ptr": "*i32",
     "arows_ptr": "*i64",
     "y_ptr": "*bf16",
     "N": "i32",
-    "E": "i32",
     "wsdec_stride": "i32",
 }
 WS_SIGNATURE = {**SIGNATURE, "P": "i32"}  # the warp-specialized kernel's grid (persistent CTAs)
@@ -60,19 +58,20 @@ def report(
 
     from benchmarks.sass_gemm_loop import registers_per_thread
 
-    if loader_warps:  # the warp-specialized kernel: one chunk per step, 1-step runs
-        chunks = unroll = 1
-        consts = dict(K=k, HAS_AROWS=True, LOG2_E=7, BT=block_t, STAGES=stages, NW=num_warps, LW=loader_warps)
-        consts.update(LOADER_REGS=wg.ws_loader_regs(block_t, loader_warps), A_I64=False)
+    if loader_warps:  # the warp-specialized kernel: 1-step runs
+        unroll = 1
+        consts = dict(K=k, HAS_AROWS=True, BT=block_t, STAGES=stages, KC=chunks, NW=num_warps)
+        consts["LW"] = loader_warps
+        consts.update(LOADER_REGS=wg.ws_loader_regs(block_t, loader_warps, chunks), A_I64=False)
     else:
         unroll = wg.run_length(k, chunks, unroll)
-        consts = dict(K=k, HAS_AROWS=True, LOG2_E=7, BT=block_t, STAGES=stages, KC=chunks, UNROLL=unroll, NW=num_warps)
+        consts = dict(K=k, HAS_AROWS=True, BT=block_t, STAGES=stages, KC=chunks, UNROLL=unroll, NW=num_warps)
     consts["CODES_LAYOUT"] = wg._codes_layout(num_warps)
     src = GluonASTSource(
         fn=wg._w4a4_wgmma_ws_kernel if loader_warps else wg._w4a4_wgmma_kernel,
         signature={**(WS_SIGNATURE if loader_warps else SIGNATURE), **dict.fromkeys(consts, "constexpr")},
         constexprs=consts,
-        attrs={(i,): [["tt.divisibility", 16]] for i in range(9)},
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(8)},
     )
     compiled = triton.compile(
         src,

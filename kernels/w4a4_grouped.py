@@ -597,18 +597,15 @@ def _grouped_w4a4_kernel(
     ws_ptr,
     wsdec_ptr,
     rmask_ptr,
-    offs_ptr,
-    tiles_ptr,
+    tmap_ptr,
     arows_ptr,
     y_ptr,
     N,
-    E,
     rmask_estride,
     wsdec_stride,
     K: tl.constexpr,
     HAS_RES: tl.constexpr,
     HAS_AROWS: tl.constexpr,
-    LOG2_E: tl.constexpr,
     USE_ASM: tl.constexpr,
     A_OPERAND: tl.constexpr,
     OUT_BF16: tl.constexpr,
@@ -617,20 +614,11 @@ def _grouped_w4a4_kernel(
     BK: tl.constexpr,
 ):
     pid = tl.program_id(1)  # N tiles vary fastest: a row tile's activations are re-read from L2, not HBM
-    total = tl.load(tiles_ptr + E)
-    if pid >= total:
+    e = tl.load(tmap_ptr + pid * 4)  # this row tile's expert, first row and the expert's row end (tile_map)
+    if e < 0:
         return
-    lo = 0
-    hi = E - 1
-    for _ in tl.static_range(LOG2_E):  # expert e in [0, E) with tiles[e] <= pid < tiles[e+1]
-        mid = (lo + hi) // 2
-        go_right = tl.load(tiles_ptr + mid + 1) <= pid
-        lo = tl.where(go_right, mid + 1, lo)
-        hi = tl.where(go_right, hi, mid)
-    e = lo
-    row_begin = tl.where(e > 0, tl.load(offs_ptr + e - 1, mask=e > 0, other=0), 0)
-    row_end = tl.load(offs_ptr + e)
-    rows = row_begin + (pid - tl.load(tiles_ptr + e)) * BM + tl.arange(0, BM)
+    row_end = tl.load(tmap_ptr + pid * 4 + 2)
+    rows = tl.load(tmap_ptr + pid * 4 + 1) + tl.arange(0, BM)
     rmask = rows < row_end
     rows64 = rows.to(tl.int64)
     if HAS_AROWS:  # grouped row -> activation row (e.g. its token: the operand is made once per token)
@@ -671,22 +659,41 @@ def _grouped_w4a4_kernel(
 
 
 @triton.jit
-def _tile_starts_kernel(offs_ptr, tiles_ptr, E, BM: tl.constexpr, BLOCK_E: tl.constexpr):
-    """tiles[0] = 0, tiles[e+1] = sum over experts <= e of ceil(rows_e / BM) (one program)."""
+def _tile_map_kernel(offs_ptr, map_ptr, E, P, BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    """map[p] = (expert e, first grouped row, e's row end, total tiles) of row tile p < P; e = -1 (rows
+    0) past the last tile. Each program re-derives the per-expert tile counts and covers BLOCK_P tiles."""
     e = tl.arange(0, BLOCK_E)
     end = tl.load(offs_ptr + e, mask=e < E, other=0)
     begin = tl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
-    t = tl.cumsum((end - begin + BM - 1) // BM, axis=0)
-    tl.store(tiles_ptr + e + 1, t, mask=e < E)
-    tl.store(tiles_ptr + e, tl.zeros_like(t), mask=e == 0)
+    count = (end - begin + BM - 1) // BM
+    through = tl.cumsum(count, axis=0)  # tiles of experts <= e
+    total = tl.max(through, axis=0)
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    done = (through[None, :] <= p[:, None]) & (e < E)[None, :]  # experts whose tiles all come before p
+    pe = tl.sum(done.to(tl.int32), axis=1)  # p's expert: how many experts end at or before it
+    before = tl.sum(tl.where(done, count[None, :], 0), axis=1)  # tiles of the experts before pe
+    live = p < total
+    pe_end = tl.load(offs_ptr + pe, mask=live, other=0)
+    pe_begin = tl.load(offs_ptr + pe - 1, mask=live & (pe > 0), other=0)
+    row = p * 4
+    tl.store(map_ptr + row, tl.where(live, pe, -1), mask=p < P)
+    tl.store(map_ptr + row + 1, tl.where(live, pe_begin + (p - before) * BM, 0), mask=p < P)
+    tl.store(map_ptr + row + 2, pe_end, mask=p < P)
+    tl.store(map_ptr + row + 3, tl.zeros_like(p) + total, mask=p < P)
 
 
-def tile_starts(offs: torch.Tensor, block_m: int) -> torch.Tensor:
-    """int32 [E+1] first tile of each expert for offs (int32 [E], cumulative row ends): one launch."""
+def tile_map(offs: torch.Tensor, block_m: int, tiles: int) -> torch.Tensor:
+    """int32 [tiles, 4]: per row tile p (grouped rows of offs, int32 [E] cumulative row ends, in tiles of
+    block_m), (expert, first grouped row, the expert's row end, total row tiles); expert -1 past the last
+    tile. One launch; the GEMMs read their tile in one round trip instead of a binary search over experts
+    (a chain of ~8 dependent loads at every CTA's start)."""
     e = offs.numel()
-    tiles = torch.empty(e + 1, dtype=torch.int32, device=offs.device)
-    _tile_starts_kernel[(1,)](offs, tiles, e, BM=block_m, BLOCK_E=triton.next_power_of_2(max(e, 2)))
-    return tiles
+    out = torch.empty((tiles, 4), dtype=torch.int32, device=offs.device)
+    block_p = 128
+    _tile_map_kernel[(triton.cdiv(tiles, block_p),)](
+        offs, out, e, tiles, BM=block_m, BLOCK_E=triton.next_power_of_2(max(e, 2)), BLOCK_P=block_p
+    )
+    return out
 
 
 def stack_expert_weights(weights: list[NVFP4Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -778,7 +785,8 @@ def grouped_w4a4(
     if k % block_k:
         raise NVFP4InputError(f"K={k} must be a multiple of block_k={block_k}")
     dev = w_codes.device
-    tiles = tile_starts(offs, block_m)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m) + e_count)  # row tiles: an upper bound
+    tmap = tile_map(offs, block_m, grid[1])
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
     has_res = not a_operand and qa.residual is not None
     if has_res:
@@ -798,7 +806,6 @@ def grouped_w4a4(
         a, a_s = qa.x.codes, qa.x.block_scales.view(torch.uint8)
     if use_asm is None:  # PTX decode on a GPU; the interpreter runs the integer-op twin
         use_asm = dev.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m) + e_count)
     _LAST_COMPILED[0] = _grouped_w4a4_kernel[grid](
         a,
         a_s,
@@ -809,18 +816,15 @@ def grouped_w4a4(
         w_scales,
         w_sdec,
         mask,
-        offs,
-        tiles,
+        tmap,
         offs if a_rows is None else a_rows,
         y,
         n,
-        e_count,
         estride,
         w_sdec.stride(0),
         K=k,
         HAS_RES=has_res,
         HAS_AROWS=a_rows is not None,
-        LOG2_E=max(1, (e_count - 1).bit_length()),
         USE_ASM=use_asm,
         A_OPERAND=a_operand,
         OUT_BF16=out_dtype == torch.bfloat16,

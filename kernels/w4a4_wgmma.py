@@ -19,8 +19,10 @@ tiles on the H200); inside straight-line code ptxas keeps it. sass_hazards check
 each compiled kernel (grouped_w4a4_wgmma falls back to 1-step runs where it finds a hazard).
 
 Warp-specialized variant (_w4a4_wgmma_ws_kernel, wgmma_config's choice above 4096 grouped rows): a
-loader partition (cp.async, per-slot mbarriers) fills the ring, the consumer warps only wait, decode,
-wgmma and free the slot; with ctas_per_sm its CTAs persist and loop over the tiles. On the H200 the
+loader partition (cp.async, per-slot mbarriers; one or two 128-K chunks per slot) fills the ring, the
+consumer warps only wait, decode, wgmma and free the slot; with ctas_per_sm its CTAs persist and loop
+over the tiles. Every CTA finds its tile (expert, rows) in a tile map built by one small launch
+(w4a4_grouped.tile_map): one round trip, where a binary search over the experts took ~8 dependent loads. On the H200 the
 load path, not the decode or the MMA, is what most of its time goes to (benchmarks/NOTES.md).
 """
 
@@ -38,7 +40,7 @@ from quads_megatron.kernels.w4a4_grouped import (
     _nibble_ptx,
     check_wgmma_order,
     grouped_rows,
-    tile_starts,
+    tile_map,
 )
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -172,18 +174,10 @@ def _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, step, slot, KC: 
 
 
 @gluon.jit
-def _tile_coords(offs_ptr, tiles_ptr, E, pid, LOG2_E: gl.constexpr, BT: gl.constexpr):
-    """Row tile pid -> (expert e, first grouped row t0, end of e's rows); e = -1 past the last tile."""
-    lo = 0
-    hi = E - 1
-    for _ in gl.static_range(LOG2_E):  # expert e with tiles[e] <= pid < tiles[e+1]
-        mid = (lo + hi) // 2
-        go_right = gl.load(tiles_ptr + mid + 1) <= pid
-        lo = gl.where(go_right, mid + 1, lo)
-        hi = gl.where(go_right, hi, mid)
-    e = gl.where(pid < gl.load(tiles_ptr + E), lo, -1)
-    row_begin = gl.where(lo > 0, gl.load(offs_ptr + lo - 1, mask=lo > 0, other=0), 0)
-    return e, row_begin + (pid - gl.load(tiles_ptr + lo)) * BT, gl.load(offs_ptr + lo)
+def _tile_coords(tmap_ptr, pid):
+    """Row tile pid -> (expert e, first grouped row t0, end of e's rows) from tile_map, one round trip;
+    e = -1 past the last tile."""
+    return gl.load(tmap_ptr + pid * 4), gl.load(tmap_ptr + pid * 4 + 1), gl.load(tmap_ptr + pid * 4 + 2)
 
 
 @gluon.jit
@@ -229,16 +223,13 @@ def _w4a4_wgmma_kernel(
     w_ptr,
     ws_ptr,
     wsdec_ptr,
-    offs_ptr,
-    tiles_ptr,
+    tmap_ptr,
     arows_ptr,
     y_ptr,
     N,
-    E,
     wsdec_stride,
     K: gl.constexpr,
     HAS_AROWS: gl.constexpr,
-    LOG2_E: gl.constexpr,
     BT: gl.constexpr,
     STAGES: gl.constexpr,
     KC: gl.constexpr,
@@ -249,7 +240,7 @@ def _w4a4_wgmma_kernel(
     BNW: gl.constexpr = 64 * (NW // 4)
     NK: gl.constexpr = K // (128 * KC)  # k-steps of KC chunks
     pid = gl.program_id(1)  # N tiles vary fastest: a token tile's rows are re-read from L2, not HBM
-    e, t0, row_end = _tile_coords(offs_ptr, tiles_ptr, E, pid, LOG2_E, BT)
+    e, t0, row_end = _tile_coords(tmap_ptr, pid)
     if e < 0:
         return
     n0 = gl.program_id(0) * BNW
@@ -314,30 +305,29 @@ def _ws_loader(
     w_ptr,
     ws_ptr,
     arows_ptr,
-    offs_ptr,
-    tiles_ptr,
+    tmap_ptr,
     b_smem,
     w_smem,
     s_smem,
     ready,
     empty,
     N,
-    E,
     P,
     K: gl.constexpr,
     HAS_AROWS: gl.constexpr,
     A_I64: gl.constexpr,
-    LOG2_E: gl.constexpr,
     BT: gl.constexpr,
     BNW: gl.constexpr,
     LW: gl.constexpr,
 ):
     """Worker partition (LW warps): for each of this CTA's tiles, cp.async each k-step's activation rows,
-    code and scale bytes into the next ring slot once the consumers freed it (empty), then arm ready[slot]
-    to complete when this thread's copies land (cp.async.mbarrier.arrive.noinc: ready counts LW * 32
-    arrivals). The ring runs on across tiles: the next tile's first steps load during this one's last
-    MMAs and epilogue. Offsets are int32 from per-step scalar bases; A_I64: token offsets need int64."""
-    STAGES: gl.constexpr = b_smem.shape[0]
+    code and scale bytes (KC 128-K chunks, one ring buffer each) into the next ring slot once the
+    consumers freed it (empty), then arm ready[slot] to complete when this thread's copies land
+    (cp.async.mbarrier.arrive.noinc: ready counts LW * 32 arrivals). The ring runs on across tiles: the
+    next tile's first steps load during this one's last MMAs and epilogue. Offsets are int32 from
+    per-step scalar bases; A_I64: token offsets need int64."""
+    STAGES: gl.constexpr = ready.shape[0]
+    KC: gl.constexpr = b_smem.shape[0] // STAGES
     b_copy: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])  # [BT, 128] fp16, 16 B each
     w_copy: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LW, 1], [1, 0])  # [BNW, 64] u8
     s_copy: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [LW, 1], [1, 0])  # [BNW, 8] u8
@@ -351,8 +341,8 @@ def _ws_loader(
     )
     n_tiles = N // BNW
     it = 0  # k-steps issued by this CTA so far: ring slot and phase
-    for t in range(gl.program_id(0), gl.load(tiles_ptr + E) * n_tiles, P):
-        e, t0, row_end = _tile_coords(offs_ptr, tiles_ptr, E, t // n_tiles, LOG2_E, BT)
+    for t in range(gl.program_id(0), gl.load(tmap_ptr + 3) * n_tiles, P):
+        e, t0, row_end = _tile_coords(tmap_ptr, t // n_tiles)
         r = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, b_copy))
         if HAS_AROWS:
             tok = gl.load(arows_ptr + r, mask=r < row_end, other=0)
@@ -364,12 +354,15 @@ def _ws_loader(
             tok = tok.to(gl.int32)
         b_off = tok[:, None] * K + gl.arange(0, 128, layout=gl.SliceLayout(0, b_copy))[None, :]
         row0 = (e * N + (t % n_tiles) * BNW).to(gl.int64)
-        for j in range(K // 128):
+        for j in range(K // (128 * KC)):
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
-            async_copy.async_copy_global_to_shared(b_smem.index(slot), (a_ptr + j * 128) + b_off)
-            async_copy.async_copy_global_to_shared(w_smem.index(slot), (w_ptr + row0 * (K // 2) + j * 64) + w_off)
-            async_copy.async_copy_global_to_shared(s_smem.index(slot), (ws_ptr + row0 * (K // 16) + j * 8) + s_off)
+            for ch in gl.static_range(KC):
+                c = j * KC + ch
+                buf = slot * KC + ch
+                async_copy.async_copy_global_to_shared(b_smem.index(buf), (a_ptr + c * 128) + b_off)
+                async_copy.async_copy_global_to_shared(w_smem.index(buf), (w_ptr + row0 * (K // 2) + c * 64) + w_off)
+                async_copy.async_copy_global_to_shared(s_smem.index(buf), (ws_ptr + row0 * (K // 16) + c * 8) + s_off)
             async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
             it += 1
 
@@ -381,42 +374,43 @@ def _ws_consumer(
     s_smem,
     ready,
     empty,
-    offs_ptr,
-    tiles_ptr,
+    tmap_ptr,
     arows_ptr,
     asdec_ptr,
     wsdec_ptr,
     y_ptr,
     N,
-    E,
     P,
     wsdec_stride,
     K: gl.constexpr,
     HAS_AROWS: gl.constexpr,
-    LOG2_E: gl.constexpr,
     BT: gl.constexpr,
     NW: gl.constexpr,
     CODES_LAYOUT: gl.constexpr,
 ):
     """Default partition (NW warps, 64 weight rows per warpgroup): for each of this CTA's tiles, per
-    k-step wait for its slot, decode the codes into wgmma's register operand, wgmma against the
-    activation rows, retire it and free the slot; then the tile's epilogue."""
+    k-step wait for its slot; per 128-K chunk decode the codes into wgmma's register operand, wgmma
+    against the activation rows and retire it (wait(0): with a chunk's wgmma left in flight under the
+    next chunk's decode, ptxas serializes every wgmma at the consumers' register budget); free the
+    slot; then the tile's epilogue."""
     BNW: gl.constexpr = 64 * (NW // 4)
-    STAGES: gl.constexpr = b_smem.shape[0]
+    STAGES: gl.constexpr = ready.shape[0]
+    KC: gl.constexpr = b_smem.shape[0] // STAGES
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16])
     n_tiles = N // BNW
     it = 0  # k-steps consumed by this CTA so far
-    for t in range(gl.program_id(0), gl.load(tiles_ptr + E) * n_tiles, P):
+    for t in range(gl.program_id(0), gl.load(tmap_ptr + 3) * n_tiles, P):
+        e, t0, row_end = _tile_coords(tmap_ptr, t // n_tiles)  # for the epilogue; loaded under the K loop
         acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
-        for _ in range(K // 128):
+        for _ in range(K // (128 * KC)):
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
             hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
-            acc = _decode_and_mma(b_smem, w_smem, s_smem, slot, acc, BNW, CODES_LAYOUT)
-            acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+            for ch in gl.static_range(KC):
+                acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT)
+                acc = hopper.warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index(slot), count=1)
             it += 1
-        e, t0, row_end = _tile_coords(offs_ptr, tiles_ptr, E, t // n_tiles, LOG2_E, BT)
         n0 = (t % n_tiles) * BNW
         _store_tile(
             acc, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, e, t0, n0, row_end, N, wsdec_stride, HAS_AROWS, BT, NW, mma
@@ -430,32 +424,30 @@ def _w4a4_wgmma_ws_kernel(
     w_ptr,
     ws_ptr,
     wsdec_ptr,
-    offs_ptr,
-    tiles_ptr,
+    tmap_ptr,
     arows_ptr,
     y_ptr,
     N,
-    E,
     wsdec_stride,
     P,
     K: gl.constexpr,
     HAS_AROWS: gl.constexpr,
-    LOG2_E: gl.constexpr,
     BT: gl.constexpr,
     STAGES: gl.constexpr,
+    KC: gl.constexpr,
     NW: gl.constexpr,
     LW: gl.constexpr,
     LOADER_REGS: gl.constexpr,
     A_I64: gl.constexpr,
     CODES_LAYOUT: gl.constexpr,
 ):
-    """Warp-specialized variant of _w4a4_wgmma_kernel (one 128-K chunk per step, 1-step runs): LW loader
-    warps fill the ring by cp.async and per-slot mbarriers, the NW consumer warps only decode and issue
-    wgmma; no CTA-wide barrier, each warpgroup runs ahead as far as the ring allows. Tiles (row tile,
-    N tile; N fastest) t = program_id, program_id + P, ...: P = the grid, one tile per CTA when it
+    """Warp-specialized variant of _w4a4_wgmma_kernel (KC 128-K chunks per ring slot, 1-step runs): LW
+    loader warps fill the ring by cp.async and per-slot mbarriers, the NW consumer warps only decode and
+    issue wgmma; no CTA-wide barrier, each warpgroup runs ahead as far as the ring allows. Tiles (row
+    tile, N tile; N fastest) t = program_id, program_id + P, ...: P = the grid, one tile per CTA when it
     covers them all, else persistent CTAs whose ring runs on from one tile into the next."""
     BNW: gl.constexpr = 64 * (NW // 4)
-    b_smem, w_smem, s_smem = _alloc_ring(STAGES, BT, BNW)
+    b_smem, w_smem, s_smem = _alloc_ring(STAGES * KC, BT, BNW)  # buffer slot * KC + chunk
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -463,21 +455,22 @@ def _w4a4_wgmma_ws_kernel(
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize(  # (argument tuples inline: a tuple variable would turn the constexprs into tensors)
         [
-            (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, offs_ptr, tiles_ptr, arows_ptr, asdec_ptr, wsdec_ptr,
-                            y_ptr, N, E, P, wsdec_stride, K, HAS_AROWS, LOG2_E, BT, NW, CODES_LAYOUT)),
-            (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, offs_ptr, tiles_ptr, b_smem, w_smem, s_smem, ready, empty,
-                          N, E, P, K, HAS_AROWS, A_I64, LOG2_E, BT, BNW, LW)),
+            (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, N,
+                            P, wsdec_stride, K, HAS_AROWS, BT, NW, CODES_LAYOUT)),
+            (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, ready, empty, N, P, K,
+                          HAS_AROWS, A_I64, BT, BNW, LW)),
         ],
         [LW],
         [LOADER_REGS],
     )  # fmt: skip
 
 
-def ws_loader_regs(block_t: int, loader_warps: int) -> int:
+def ws_loader_regs(block_t: int, loader_warps: int, chunks: int = 1) -> int:
     """Registers per thread of the loader warps: one int32 offset per 16-byte activation copy (BT * 16 /
-    (32 * loader_warps) per thread) plus the code and scale offsets, without spills (sass_wgmma.py, sm_90)."""
+    (32 * loader_warps) per thread) plus the code and scale offsets, and a second chunk's bases; without
+    spills in the loop (sass_wgmma.py, sm_90)."""
     copies = block_t * 16 // (32 * loader_warps)
-    return 40 if copies <= 4 else 48 if copies <= 8 else 88
+    return (40 if copies <= 4 else 48 if copies <= 8 else 88) + (8 if chunks == 2 and copies <= 4 else 0)
 
 
 def faster_than_triton(rows: int) -> bool:
@@ -537,9 +530,9 @@ def grouped_w4a4_wgmma(
     chunks per pipeline step (1 or 2; 1 where K is not a multiple of 256); unroll: k-steps per
     straight-line run (run_length); maxnreg: a register cap per thread (None: ptxas decides; the
     warp-specialized kernel's cap is the launch's, split between its partitions); loader_warps: > 0
-    runs the warp-specialized kernel with that many cp.async loader warps (one chunk per step, 1-step
-    runs; 0 the single-partition kernel); ctas_per_sm: its CTAs persist, SMs * ctas_per_sm of them
-    looping over the tiles (0: one CTA per tile).
+    runs the warp-specialized kernel with that many cp.async loader warps (1-step runs; 0 the
+    single-partition kernel); ctas_per_sm: its CTAs persist, SMs * ctas_per_sm of them looping over
+    the tiles (0: one CTA per tile).
 
     Each compiled tile's SASS is checked once (sass_hazards): multi-step runs whose wgmma register
     operand could be rewritten in flight (or whose SASS cannot be read) fall back to 1-step runs,
@@ -562,7 +555,7 @@ def grouped_w4a4_wgmma(
     if loader_warps is None:  # the configured kernel, with its register cap and persistence
         loader_warps, maxnreg = cfg.get("loader_warps", 0), maxnreg or cfg.get("maxnreg")
         ctas_per_sm = cfg.get("ctas_per_sm", 0) if ctas_per_sm is None else ctas_per_sm
-    if k % (CHUNK * chunks) or loader_warps:
+    if k % (CHUNK * chunks) or (loader_warps and k // (CHUNK * chunks) < 2):  # a 1-step K loop does not lower
         chunks = 1
     unroll = 1 if loader_warps else run_length(k, chunks, unroll or cfg["unroll"])
     min_stages = 2 if unroll == 1 else 3  # at least one k-step in flight ahead (see AHEAD in the kernel)
@@ -575,30 +568,30 @@ def grouped_w4a4_wgmma(
             f"{loader_warps} (0, 1, 2 or 4, at most one per 32 weight rows of a CTA)"
         )
     dev = w_codes.device
-    tiles = tile_starts(offs, block_t)
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
-    grid = (n // (ROWS_PER_WARPGROUP * num_warps // 4), triton.cdiv(m, block_t) + e_count)
+    grid = (n // (ROWS_PER_WARPGROUP * num_warps // 4), triton.cdiv(m, block_t) + e_count)  # row tiles: a bound
     args = (
         values,
         global_decode.reshape(-1).float(),
         w_codes,
         w_scales,
         w_sdec,
-        offs,
-        tiles,
+        tile_map(offs, block_t, grid[1]),
         offs if a_rows is None else a_rows,
         y,
         n,
-        e_count,
         w_sdec.stride(0),
     )
-    consts = dict(K=k, HAS_AROWS=a_rows is not None, LOG2_E=max(1, (e_count - 1).bit_length()), BT=block_t)
+    consts = dict(K=k, HAS_AROWS=a_rows is not None, BT=block_t)
     consts.update(STAGES=stages, NW=num_warps, CODES_LAYOUT=_codes_layout(num_warps), num_warps=num_warps)
     if maxnreg:
         consts["maxnreg"] = maxnreg
     if loader_warps:
         consts.update(
-            LW=loader_warps, LOADER_REGS=ws_loader_regs(block_t, loader_warps), A_I64=values.shape[0] * k >= 2**31
+            KC=chunks,
+            LW=loader_warps,
+            LOADER_REGS=ws_loader_regs(block_t, loader_warps, chunks),
+            A_I64=values.shape[0] * k >= 2**31,
         )
         tiles_ub = grid[0] * grid[1]  # row tiles are known on the device only: their upper bound
         p = min(tiles_ub, _sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub
@@ -607,7 +600,7 @@ def grouped_w4a4_wgmma(
             raise RuntimeError(f"wgmma register hazard in the warp-specialized Gluon GEMM: {_register_hazards(kernel)}")
         return y
     consts["KC"] = chunks
-    tile = (consts["LOG2_E"], k, a_rows is not None, block_t, stages, chunks, num_warps, maxnreg, out_dtype, unroll)
+    tile = (k, a_rows is not None, block_t, stages, chunks, num_warps, maxnreg, out_dtype, unroll)
     if tile in _ONE_STEP_RUNS:
         unroll = 1
     kernel = _w4a4_wgmma_kernel[grid](*args, UNROLL=unroll, **consts)

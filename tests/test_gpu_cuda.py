@@ -214,10 +214,13 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
             (128, 8, 4, 1, 4, None, 0, 0),
             (16, 8, 3, 1, 1, 80, 4, 0),  # warp-specialized: loader warps fill an mbarrier ring
             (64, 8, 3, 1, 1, 80, 4, 0),
+            (16, 8, 3, 2, 1, 80, 4, 0),  # ... two 128-K chunks per ring slot
+            (64, 8, 2, 2, 1, 80, 4, 0),
             (32, 8, 2, 1, 1, 80, 2, 0),
             (64, 4, 3, 1, 1, None, 2, 0),
             (16, 8, 3, 1, 1, 80, 4, 2),  # ... with persistent CTAs: several tiles each, one ring across them
             (64, 8, 3, 1, 1, 80, 4, 2),
+            (32, 8, 3, 2, 1, 80, 4, 2),
             (128, 8, 3, 1, 1, 168, 4, 1),
         ]:  # unroll: k-steps per straight-line run (each decode but the run's first overlaps a wgmma); unroll 1
             # with 2 stages: the ring refills the slot of the step just retired

@@ -90,9 +90,28 @@ def test_combine_kernel_equals_the_torch_combine(dtype):
         moe_combine.combine(y[:-1], order, ids, tw, E, dtype)
 
 
-def test_tile_schedule():
+def _tile_map_reference(offs: list[int], bm: int, tiles: int) -> list[list[int]]:
+    """(expert, first grouped row, expert's row end, total tiles) per row tile, by walking the experts."""
+    out, begin = [], 0
+    for e, end in enumerate(offs):
+        out += [[e, r, end] for r in range(begin, end, bm)]
+        begin = end
+    total = len(out)
+    return [(out[p] if p < total else [-1, 0, 0]) + [total] for p in range(tiles)]
+
+
+@pytest.mark.parametrize("bm", [16, 64])
+def test_tile_map(bm):
+    """Each row tile's expert, first row and row end (empty experts skipped, -1 past the last tile), also
+    across several programs of the map kernel (128 tiles each) and for an empty batch."""
     offs = torch.tensor([0, 3, 3, 40, 41], dtype=torch.int32)
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    want = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum((counts + 15) // 16, 0).to(torch.int32)])
-    assert torch.equal(kg.tile_starts(offs, 16), want)
-    assert kg.tile_starts(offs, 16).tolist() == [0, 0, 1, 1, 4, 5]
+    got = kg.tile_map(offs, 16, 9).tolist()
+    assert got == _tile_map_reference(offs.tolist(), 16, 9)
+    assert [t[0] for t in got] == [1, 3, 3, 3, 4, -1, -1, -1, -1] and got[2][1:] == [19, 40, 5]
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 3 * bm, (40,), generator=g)
+    counts[::7] = 0
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    tiles = int(offs[-1]) // bm + 40
+    assert kg.tile_map(offs, bm, tiles).tolist() == _tile_map_reference(offs.tolist(), bm, tiles)
+    assert kg.tile_map(torch.zeros(4, dtype=torch.int32), bm, 4).tolist() == [[-1, 0, 0, 0]] * 4

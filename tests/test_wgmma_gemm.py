@@ -89,6 +89,7 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
     tiles = sorted(
         {tuple(c.get(key) or 0 for key in keys) for c in configs}
         | {(32, 8, 4, 2, 2, 0, 0), (16, 8, 6, 1, 8, 0, 0), (64, 8, 4, 1, 1, 0, 0), (32, 8, 2, 1, 1, 2, 80)}
+        | {(16, 8, 3, 2, 1, 4, 80), (32, 8, 3, 2, 1, 4, 80)}
     )
     assert any(t[5] for t in tiles) and any(not t[5] for t in tiles)
     env = {**os.environ, "TRITON_INTERPRET": "0"}
@@ -103,12 +104,15 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
     reports = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(reports) == len(tiles)
     for (bt, nw, _, kc, un, lw, _), r in zip(tiles, reports, strict=True):
-        kc, un = (1, 1) if lw else (kc, un)  # the warp-specialized kernel: one chunk per step, 1-step runs
+        un = 1 if lw else un  # the warp-specialized kernel: 1-step runs
         assert r["hgmma_shape"] == [f"64x{bt}x16"], r
-        # 8 wgmma per 128-K step, A from registers (a shared-memory A would be a second descriptor)
+        # 8 wgmma per 128-K chunk, A from registers (a shared-memory A would be a second descriptor)
         assert len(r["hgmma_a_operands"]) == 8 * kc * un and all(a.startswith("R") for a in r["hgmma_a_operands"]), r
-        # within a run each decode overlaps the previous chunk's wgmma; the run's last chunk retires all
-        assert r["wgmma_waits"][: kc * un] == ["0x1"] * (kc * un - 1) + ["0x0"], r
+        # one-partition kernel: within a run each decode overlaps the previous chunk's wgmma, the run's last
+        # chunk retires all; warp-specialized: each chunk's wgmma retired before the next decode. Either way
+        # one wait per chunk (ptxas serializing the wgmmas would put one after each of the 8)
+        want = ["0x0"] * kc if lw else ["0x1"] * (kc * un - 1) + ["0x0"]
+        assert (r["wgmma_waits"] if lw else r["wgmma_waits"][: kc * un]) == want, r
         # ... and no register an in-flight wgmma reads or accumulates into is rewritten on any path
         assert r["register_hazards"] == [], r
         # no local memory, but for the loader's register handoff in the warp-specialized kernel (a few
@@ -260,6 +264,13 @@ def test_gemm_runs_the_warp_specialized_kernel_for_loader_warps(monkeypatch):
     assert fake.launches == ["ws2"]
     c = fake.consts[0]
     assert (c["LOADER_REGS"], c["maxnreg"], c["STAGES"], c["A_I64"]) == (wg.ws_loader_regs(16, 2), 80, 2, False)
+    assert c["KC"] == 1  # the default: one 128-K chunk per ring slot
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=16, num_warps=4, stages=2, chunks=2, loader_warps=2)
+    assert (fake.consts[1]["KC"], fake.consts[1]["LOADER_REGS"]) == (2, wg.ws_loader_regs(16, 2, 2))
+    w256 = (w[0][..., :128].contiguous(), w[1][..., :16].contiguous(), w[2])  # K = 256: a 2-chunk slot = 1 step
+    wg.grouped_w4a4_wgmma(a[:, :256].contiguous(), s, offs, *w256, block_t=16, num_warps=4, chunks=2, loader_warps=2)
+    assert fake.consts[2]["KC"] == 1  # ... which does not lower: one chunk per slot
+    del fake.launches[1:], fake.grids[1:], fake.args[1:], fake.consts[1:]
     # one CTA per tile, P = the grid: its upper bound (ceil(5 rows / 16) + 2 experts) * 1 N tile
     assert fake.grids[0] == (3,) and fake.args[0][-1] == 3
     monkeypatch.setattr(wg, "_sm_count", lambda device: 1)  # persistent CTAs: SMs * ctas_per_sm, at most the tiles
