@@ -18,16 +18,21 @@ Each line: GB/s of the bytes moved (codes + scales + activation rows); the HBM r
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 import triton
-import triton.testing
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-E, HIDDEN, N = 128, 2048, gl.constexpr(1536)  # fc1: 128 experts, K = hidden, N = 2 x 768
+# the checkout last: an installed quads_megatron (its kernels/ mapped in) wins over the source tree
+sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.probe_wgmma_tiles import HIDDEN, INTER, E, bench  # noqa: E402
+
+N = gl.constexpr(2 * INTER)  # fc1's weight rows per expert (gate and up)
 MODES = {"rows": 0, "flat": 1, "tma": 2}
 
 
@@ -52,8 +57,8 @@ def _loader(
     LW: gl.constexpr,
 ):
     """LW warps (w_src: the codes' pointer, or their TMA descriptor in mode 2): per tile (BNW weight
-    rows) and k-step (CB code bytes per row), copy the code tile, the
-    scale bytes (CB / 8 per row) and BT activation rows (2 * CB fp16 each) into the next free slot."""
+    rows) and k-step (CB code bytes per row), copy the code tile, the scale bytes (CB / 8 per row) and
+    BT activation rows (2 * CB fp16 each) into the next free slot."""
     STAGES: gl.constexpr = w_smem.shape[0]
     TPC: gl.constexpr = CB // 16
     w_copy: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPC, TPC], [LW, 1], [1, 0])
@@ -231,7 +236,7 @@ def main() -> None:
     acts = {bt: torch.randn(E * bt, HIDDEN, device="cuda").half() for bt in (16, 32, 64)}
     acts[0] = acts[16]
     x = torch.empty(codes.numel() // 4, dtype=torch.int32, device="cuda")
-    us = triton.testing.do_bench_cudagraph(lambda: x.copy_(codes.view(torch.int32).view(-1)), rep=30) * 1e3
+    us = bench(lambda: x.copy_(codes.view(torch.int32).view(-1)))
     print(f"reference: device copy of the codes (read + write {2 * codes.numel() / 1e6:.0f} MB): {us:.1f} us, "
           f"{2 * codes.numel() / us / 1e3:.0f} GB/s", flush=True)  # fmt: skip
     for name in args.sets.split(","):
@@ -243,7 +248,7 @@ def main() -> None:
             try:
                 run = lambda: stream(codes, scales, acts[bt], mode, bnw, cb, sc, bt, st, lw, cps, nw, cap)  # noqa: E731
                 label += f" ({occupancy(run(), nw + lw)})"
-                us = triton.testing.do_bench_cudagraph(run, rep=30) * 1e3
+                us = bench(run)
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"  {label}: failed {repr(e)[:200]}", flush=True)
                 continue
