@@ -3,10 +3,12 @@
 python benchmarks/probe_wgmma_costs.py [--tokens 256,4096,16384]
 (CUDA GPU; CUDA-graph replay medians; Qwen3-30B-A3B fc1, token-indexed rows as moe_w4a4 runs fc1)
 
-Times the kernel at its wgmma_config tiles next to three scratch variants of its consumer partition,
-made by rewriting the module's source (so they always follow the shipped kernel; a rewrite that no
-longer matches raises):
+Times the kernel at its wgmma_config tiles next to four scratch variants of its partitions, made by
+rewriting the module's source (so they always follow the shipped kernel; a rewrite that no longer
+matches raises):
   loads only  - the consumers wait for each slot and free it: the loader partition's own speed;
+  no loads    - the loader arms each slot without copying (the consumers compute on stale shared
+                memory): the consumer partition's own speed;
   no decode   - step 0's codes decoded once, those registers fed to every wgmma;
   no MMA      - the decoded operand summed into the accumulator instead of a wgmma.
 Also the loads-only variant on contiguous rows (one operand row per grouped row: no token gather).
@@ -40,8 +42,13 @@ TILE_HEAD = """        acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
 A_LAYOUT = "gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)"
 DECODE = """_decode_a(w_smem.index({s}).reshape([BNW, 8, 8]).load(CODES_LAYOUT),
                       s_smem.index({s}).load(gl.SliceLayout(2, CODES_LAYOUT)), BNW, {layout})"""
+COPIES = """                async_copy.async_copy_global_to_shared(b_smem.index(buf), (a_ptr + c * 128) + b_off)
+                async_copy.async_copy_global_to_shared(w_smem.index(buf), (w_ptr + row0 * (K // 2) + c * 64) + w_off)
+                async_copy.async_copy_global_to_shared(s_smem.index(buf), (ws_ptr + row0 * (K // 16) + c * 8) + s_off)
+"""
 VARIANTS = {
     "loads only": [(FENCE + STEP, "")],
+    "no loads": [(COPIES, "                pass\n")],
     "no decode": [
         (
             TILE_HEAD,

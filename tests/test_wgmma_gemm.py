@@ -301,3 +301,15 @@ def test_wgmma_config_uses_the_warp_specialized_kernel_above_4096_rows_persisten
         assert (lw > 0) == (rows > 4096 and n % 128 == 0), (rows, cfg)
         assert (cfg.get("ctas_per_sm", 0) > 0) == (rows > 16384 and n % 128 == 0), (rows, cfg)
         assert n % (16 * cfg["num_warps"]) == 0 and 32 * lw <= 16 * cfg["num_warps"], (rows, n, cfg)
+
+
+def test_cost_probe_rewrites_still_match_the_kernel():
+    """benchmarks/probe_wgmma_costs.py times scratch variants made by rewriting this kernel's source; each
+    rewrite must still find its text exactly once (else the probe would time something else)."""
+    sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
+    from benchmarks import probe_wgmma_costs as costs
+
+    assert {"loads only", "no loads", "no decode", "no MMA"} <= set(costs.VARIANTS)
+    for name in costs.VARIANTS:
+        mod = costs.variant(name)
+        assert mod.__file__ != wg.__file__ and callable(mod.grouped_w4a4_wgmma), name
