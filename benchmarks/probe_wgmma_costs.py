@@ -35,7 +35,10 @@ FENCE = """            hopper.fence_async_shared()  # the cp.async writes are vi
 """
 STEP = """            for ch in gl.static_range(KC):
                 acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT)
-                acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+                if OVERLAP and ch < KC - 1:
+                    acc = hopper.warpgroup_mma_wait(1, deps=[acc])
+                else:
+                    acc = hopper.warpgroup_mma_wait(0, deps=[acc])
 """
 TILE_HEAD = """        acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
 """

@@ -26,7 +26,9 @@ def tiles(rows: int) -> list[tuple[int, int, int, int, int, int | None, int, int
     """(block_t, warps, stages, chunks, unroll, maxnreg, loader_warps, ctas_per_sm) worth trying at this
     many grouped rows. loader_warps > 0: the warp-specialized kernel (cp.async loader warps + mbarrier
     ring; its maxnreg is the launch's, split between partitions, and sets CTAs per SM); chunks 2 there:
-    two 128-K chunks (128 code bytes of each weight row) per ring slot; ctas_per_sm > 0: its CTAs persist
+    two 128-K chunks (128 code bytes of each weight row) per ring slot, and with unroll 2 the first one's
+    wgmma in flight under the second one's decode (needs ~128+ consumer registers, else ptxas serializes
+    the wgmmas: one CTA per SM); ctas_per_sm > 0: its CTAs persist
     (SMs * ctas_per_sm of them loop over the tiles). Sweeps of 2026-12-02 (session 5,
     benchmarks/results/probe_wgmma_tiles.txt): 4-warp consumers, 16 warps, deeper rings and an L2 bulk
     prefetch of each CTA's code rows were slower everywhere."""
@@ -47,6 +49,7 @@ def tiles(rows: int) -> list[tuple[int, int, int, int, int, int | None, int, int
             (32, 8, 3, 2, 1, 80, 4, 0),
             (16, 8, 3, 2, 1, 80, 4, 2),
             (32, 8, 3, 2, 1, 80, 4, 2),
+            (32, 8, 3, 2, 2, 96, 4, 0),
         ]
     if rows <= 16384:
         return [
@@ -62,6 +65,8 @@ def tiles(rows: int) -> list[tuple[int, int, int, int, int, int | None, int, int
         (64, 8, 2, 2, 1, 80, 4, 2),
         (32, 8, 3, 2, 1, 80, 4, 2),
         (128, 8, 2, 2, 1, 168, 4, 1),
+        (128, 8, 2, 2, 2, 168, 4, 1),
+        (64, 8, 3, 2, 2, 128, 4, 1),
     ]
 
 

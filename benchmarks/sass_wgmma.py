@@ -58,9 +58,9 @@ def report(
 
     from benchmarks.sass_gemm_loop import registers_per_thread
 
-    if loader_warps:  # the warp-specialized kernel: 1-step runs
-        unroll = 1
-        consts = dict(K=k, HAS_AROWS=True, BT=block_t, STAGES=stages, KC=chunks, NW=num_warps)
+    if loader_warps:  # the warp-specialized kernel: 1-step runs; unroll > 1: a slot's chunks overlap
+        overlap, unroll = chunks == 2 and unroll > 1, 1
+        consts = dict(K=k, HAS_AROWS=True, BT=block_t, STAGES=stages, KC=chunks, NW=num_warps, OVERLAP=overlap)
         consts["LW"] = loader_warps
         consts.update(LOADER_REGS=wg.ws_loader_regs(block_t, loader_warps, chunks), A_I64=False)
     else:
@@ -99,7 +99,7 @@ def report(
     weights_per_thread = 64 * (num_warps // 4) * 128 * chunks * unroll // (32 * num_warps)
     return {
         "tile": f"BT{block_t} w{num_warps} s{stages} c{chunks} u{unroll}"
-        + (f" ws{loader_warps}" if loader_warps else ""),
+        + (f" ws{loader_warps}" + (" overlap" if consts["OVERLAP"] else "") if loader_warps else ""),
         "hgmma_a_operands": re.findall(r"HGMMA\.\S+ R\d+, (\S+), gdesc", sass),
         "hgmma_shape": sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass))),
         "wgmma_waits": re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass),

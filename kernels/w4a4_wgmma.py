@@ -387,12 +387,14 @@ def _ws_consumer(
     BT: gl.constexpr,
     NW: gl.constexpr,
     CODES_LAYOUT: gl.constexpr,
+    OVERLAP: gl.constexpr,
 ):
     """Default partition (NW warps, 64 weight rows per warpgroup): for each of this CTA's tiles, per
     k-step wait for its slot; per 128-K chunk decode the codes into wgmma's register operand, wgmma
-    against the activation rows and retire it (wait(0): with a chunk's wgmma left in flight under the
-    next chunk's decode, ptxas serializes every wgmma at the consumers' register budget); free the
-    slot; then the tile's epilogue."""
+    against the activation rows and retire it (wait(0)), or with OVERLAP leave it in flight under the
+    next chunk's decode inside the slot (wait(1); the slot's last chunk retires all: nothing in flight
+    across the back edge). OVERLAP needs registers for two decoded chunks: below ~200 per consumer
+    thread ptxas serializes every wgmma instead. Free the slot; then the tile's epilogue."""
     BNW: gl.constexpr = 64 * (NW // 4)
     STAGES: gl.constexpr = ready.shape[0]
     KC: gl.constexpr = b_smem.shape[0] // STAGES
@@ -408,7 +410,10 @@ def _ws_consumer(
             hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
             for ch in gl.static_range(KC):
                 acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT)
-                acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+                if OVERLAP and ch < KC - 1:
+                    acc = hopper.warpgroup_mma_wait(1, deps=[acc])
+                else:
+                    acc = hopper.warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index(slot), count=1)
             it += 1
         n0 = (t % n_tiles) * BNW
@@ -440,6 +445,7 @@ def _w4a4_wgmma_ws_kernel(
     LOADER_REGS: gl.constexpr,
     A_I64: gl.constexpr,
     CODES_LAYOUT: gl.constexpr,
+    OVERLAP: gl.constexpr,
 ):
     """Warp-specialized variant of _w4a4_wgmma_kernel (KC 128-K chunks per ring slot, 1-step runs): LW
     loader warps fill the ring by cp.async and per-slot mbarriers, the NW consumer warps only decode and
@@ -456,7 +462,7 @@ def _w4a4_wgmma_ws_kernel(
     gl.warp_specialize(  # (argument tuples inline: a tuple variable would turn the constexprs into tensors)
         [
             (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, N,
-                            P, wsdec_stride, K, HAS_AROWS, BT, NW, CODES_LAYOUT)),
+                            P, wsdec_stride, K, HAS_AROWS, BT, NW, CODES_LAYOUT, OVERLAP)),
             (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, ready, empty, N, P, K,
                           HAS_AROWS, A_I64, BT, BNW, LW)),
         ],
@@ -467,10 +473,10 @@ def _w4a4_wgmma_ws_kernel(
 
 def ws_loader_regs(block_t: int, loader_warps: int, chunks: int = 1) -> int:
     """Registers per thread of the loader warps: one int32 offset per 16-byte activation copy (BT * 16 /
-    (32 * loader_warps) per thread) plus the code and scale offsets, and a second chunk's bases; without
-    spills in the loop (sass_wgmma.py, sm_90)."""
+    (32 * loader_warps) per thread) plus the code and scale offsets, and a second chunk's bases (8 more
+    but at 5-8 copies); without spills outside the register handoff (sass_wgmma.py, sm_90)."""
     copies = block_t * 16 // (32 * loader_warps)
-    return (40 if copies <= 4 else 48 if copies <= 8 else 88) + (8 if chunks == 2 and copies <= 4 else 0)
+    return (40 if copies <= 4 else 48 if copies <= 8 else 88) + (8 if chunks == 2 and copies not in range(5, 9) else 0)
 
 
 def faster_than_triton(rows: int) -> bool:
@@ -557,6 +563,8 @@ def grouped_w4a4_wgmma(
         ctas_per_sm = cfg.get("ctas_per_sm", 0) if ctas_per_sm is None else ctas_per_sm
     if k % (CHUNK * chunks) or (loader_warps and k // (CHUNK * chunks) < 2):  # a 1-step K loop does not lower
         chunks = 1
+    # warp-specialized kernel: 1-step runs; unroll > 1 there keeps a slot's first chunk in flight (overlap)
+    overlap = bool(loader_warps) and chunks == 2 and (unroll or cfg["unroll"]) > 1
     unroll = 1 if loader_warps else run_length(k, chunks, unroll or cfg["unroll"])
     min_stages = 2 if unroll == 1 else 3  # at least one k-step in flight ahead (see AHEAD in the kernel)
     bad_warps = num_warps not in ((4, 8, 16) if loader_warps else (4, 8)) or n % (ROWS_PER_WARPGROUP * num_warps // 4)
@@ -595,9 +603,18 @@ def grouped_w4a4_wgmma(
         )
         tiles_ub = grid[0] * grid[1]  # row tiles are known on the device only: their upper bound
         p = min(tiles_ub, _sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub
-        kernel = _w4a4_wgmma_ws_kernel[(p,)](*args, p, **consts)
-        if _register_hazards(kernel):  # 1-step runs: none expected; refuse rather than return a wrong tile
-            raise RuntimeError(f"wgmma register hazard in the warp-specialized Gluon GEMM: {_register_hazards(kernel)}")
+        tile = ("ws", k, a_rows is not None, block_t, stages, num_warps, loader_warps, maxnreg, out_dtype)
+        overlap = overlap and tile not in _ONE_STEP_RUNS
+        kernel = _w4a4_wgmma_ws_kernel[(p,)](*args, p, OVERLAP=overlap, **consts)
+        found = _register_hazards(kernel)
+        if overlap and found != []:
+            why = "its SASS could not be read" if found is None else f"{len(found)} register hazards"
+            warnings.warn(f"Gluon GEMM: in-slot overlap not verified ({why}); retiring each chunk", stacklevel=2)
+            _ONE_STEP_RUNS.add(tile)
+            kernel = _w4a4_wgmma_ws_kernel[(p,)](*args, p, OVERLAP=False, **consts)
+            found = _register_hazards(kernel)
+        if found:  # each chunk retired: none expected; refuse rather than return a wrong tile
+            raise RuntimeError(f"wgmma register hazard in the warp-specialized Gluon GEMM: {found[:3]}")
         return y
     consts["KC"] = chunks
     tile = (k, a_rows is not None, block_t, stages, chunks, num_warps, maxnreg, out_dtype, unroll)

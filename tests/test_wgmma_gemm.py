@@ -89,7 +89,7 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
     tiles = sorted(
         {tuple(c.get(key) or 0 for key in keys) for c in configs}
         | {(32, 8, 4, 2, 2, 0, 0), (16, 8, 6, 1, 8, 0, 0), (64, 8, 4, 1, 1, 0, 0), (32, 8, 2, 1, 1, 2, 80)}
-        | {(16, 8, 3, 2, 1, 4, 80), (32, 8, 3, 2, 1, 4, 80)}
+        | {(16, 8, 3, 2, 1, 4, 80), (32, 8, 3, 2, 1, 4, 80), (128, 8, 2, 2, 2, 4, 168)}
     )
     assert any(t[5] for t in tiles) and any(not t[5] for t in tiles)
     env = {**os.environ, "TRITON_INTERPRET": "0"}
@@ -103,15 +103,17 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
     assert out.returncode == 0, out.stderr[-2000:]
     reports = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(reports) == len(tiles)
+    assert any(t[5] and t[3] == 2 and t[4] > 1 for t in tiles)  # a warp-specialized tile with in-slot overlap
     for (bt, nw, _, kc, un, lw, _), r in zip(tiles, reports, strict=True):
-        un = 1 if lw else un  # the warp-specialized kernel: 1-step runs
+        overlap, un = (kc == 2 and un > 1, 1) if lw else (False, un)  # warp-specialized kernel: 1-step runs
         assert r["hgmma_shape"] == [f"64x{bt}x16"], r
         # 8 wgmma per 128-K chunk, A from registers (a shared-memory A would be a second descriptor)
         assert len(r["hgmma_a_operands"]) == 8 * kc * un and all(a.startswith("R") for a in r["hgmma_a_operands"]), r
         # one-partition kernel: within a run each decode overlaps the previous chunk's wgmma, the run's last
         # chunk retires all; warp-specialized: each chunk's wgmma retired before the next decode. Either way
-        # one wait per chunk (ptxas serializing the wgmmas would put one after each of the 8)
-        want = ["0x0"] * kc if lw else ["0x1"] * (kc * un - 1) + ["0x0"]
+        # one wait per chunk (ptxas serializing the wgmmas would put one after each of the 8); with in-slot
+        # overlap the slot's first chunk stays in flight under the second one's decode
+        want = ["0x1", "0x0"] if overlap else ["0x0"] * kc if lw else ["0x1"] * (kc * un - 1) + ["0x0"]
         assert (r["wgmma_waits"] if lw else r["wgmma_waits"][: kc * un]) == want, r
         # ... and no register an in-flight wgmma reads or accumulates into is rewritten on any path
         assert r["register_hazards"] == [], r
