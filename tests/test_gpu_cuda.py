@@ -222,7 +222,7 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
             (64, 8, 3, 1, 1, 80, 4, 2),
             (32, 8, 3, 2, 1, 80, 4, 2),
             (128, 8, 3, 1, 1, 168, 4, 1),
-            (128, 8, 2, 2, 2, 168, 4, 1),  # ... a slot's first chunk in flight under the second one's decode
+            (64, 8, 3, 2, 2, 128, 4, 1),  # ... a slot's first chunk in flight under the second one's decode
             (32, 8, 3, 2, 2, 96, 4, 0),
         ]:  # unroll: k-steps per straight-line run (each decode but the run's first overlaps a wgmma); unroll 1
             # with 2 stages: the ring refills the slot of the step just retired
