@@ -88,23 +88,29 @@ def usable(device: torch.device, n: int, k: int) -> bool:
     return _capability_ok(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def wgmma_config(rows: int, n: int) -> dict[str, int]:
+def wgmma_config(rows: int, n: int, out_dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
     """Tiles by grouped rows (tokens * top-k): token tile BT (wgmma N), warps (64 weight rows per
     warpgroup), ring depth, 128-K chunks per step, k-steps per straight-line run; above 4096 rows the
     warp-specialized kernel (loader_warps cp.async warps; maxnreg: the launch's register cap, 80 = two
     CTAs per SM) with persistent CTAs (ctas_per_sm) above 16384 rows. From the H200 sweeps
     (benchmarks/probe_wgmma_tiles.py, 2026-12-02): shallow rings (more CTAs per SM) at decode sizes;
     the warp-specialized kernel 3-6% faster than the one-partition kernel at 8192 and 32768 rows;
-    persistent CTAs 3-5% faster at 32768 rows and, with 128-token tiles, at 131072 rows."""
+    persistent CTAs 3-5% faster at 32768 rows and, with 128-token tiles, at 131072 rows; there (2026-12-03)
+    2 chunks per slot with the first one's wgmma in flight under the second one's decode: 1854 -> 1754 us
+    at 131072 rows. That 2-slot ring leaves no room for an fp32 output's epilogue scratch (233.5 KB of
+    227 KB on the H200): fp32 output keeps the 3-slot, 1-chunk ring."""
     if rows <= 4096:
         cfg = dict(block_t=16, num_warps=8, stages=3, chunks=1, unroll=1)
     elif rows <= 65536:
         cfg = dict(block_t=64, num_warps=8, stages=3, chunks=1, unroll=1, loader_warps=4, maxnreg=80)
         cfg["ctas_per_sm"] = 0 if rows <= 16384 else 2
     else:
-        cfg = dict(block_t=128, num_warps=8, stages=3, chunks=1, unroll=1, loader_warps=4, maxnreg=168, ctas_per_sm=1)
+        cfg = dict(block_t=128, num_warps=8, stages=2, chunks=2, unroll=2, loader_warps=4, maxnreg=168, ctas_per_sm=1)
+        if out_dtype.itemsize > 2:
+            cfg.update(stages=3, chunks=1, unroll=1)
     if n % (ROWS_PER_WARPGROUP * cfg["num_warps"] // 4):  # N a multiple of 64 only: one warpgroup, one partition
         cfg.update(block_t=min(cfg["block_t"], 64), num_warps=4, loader_warps=0, maxnreg=None, ctas_per_sm=0)
+        cfg.update(stages=3, chunks=1, unroll=1)
     return cfg
 
 
@@ -532,7 +538,7 @@ def grouped_w4a4_wgmma(
 
     values: fp16 [M, K] activation operand in the "wgmma" order; global_decode: fp32 [M] or [M, 1];
     w_codes u8 [E, N, K/2], w_scales u8 [E, N, K/16], w_sdec fp32 [E] (may be strided); a_rows:
-    optional token index of each grouped row. Tiles default to wgmma_config(rows, N); chunks: 128-K
+    optional token index of each grouped row. Tiles default to wgmma_config(rows, N, out_dtype); chunks: 128-K
     chunks per pipeline step (1 or 2; 1 where K is not a multiple of 256); unroll: k-steps per
     straight-line run (run_length); maxnreg: a register cap per thread (None: ptxas decides; the
     warp-specialized kernel's cap is the launch's, split between its partitions); loader_warps: > 0
@@ -553,7 +559,7 @@ def grouped_w4a4_wgmma(
             f"the Hopper wgmma GEMM needs an sm_90 GPU, K % 128 == 0, K >= 256 and N % 64 == 0 (N={n}, K={k})"
         )
     m, offs, a_rows = grouped_rows(values.shape[0], offs, a_rows, e_count, w_codes.device)
-    cfg = wgmma_config(m, n)
+    cfg = wgmma_config(m, n, out_dtype)
     block_t = block_t or cfg["block_t"]
     num_warps = num_warps or cfg["num_warps"]
     stages = stages or cfg["stages"]

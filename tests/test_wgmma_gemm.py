@@ -84,7 +84,7 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
     interpreter that the other tests use patches Triton's language in this one). Tiles with loader warps
     are the warp-specialized kernel."""
     sizes = [(128, 1536), (2048, 1536), (8192, 2048), (32768, 1536), (131072, 1536), (131072, 64)]
-    configs = [wg.wgmma_config(r, n) for r, n in sizes]
+    configs = [wg.wgmma_config(r, n) for r, n in sizes] + [wg.wgmma_config(131072, 1536, torch.float32)]
     keys = ("block_t", "num_warps", "stages", "chunks", "unroll", "loader_warps", "maxnreg")  # persistence: a grid size
     tiles = sorted(
         {tuple(c.get(key) or 0 for key in keys) for c in configs}
@@ -303,6 +303,10 @@ def test_wgmma_config_uses_the_warp_specialized_kernel_above_4096_rows_persisten
         assert (lw > 0) == (rows > 4096 and n % 128 == 0), (rows, cfg)
         assert (cfg.get("ctas_per_sm", 0) > 0) == (rows > 16384 and n % 128 == 0), (rows, cfg)
         assert n % (16 * cfg["num_warps"]) == 0 and 32 * lw <= 16 * cfg["num_warps"], (rows, n, cfg)
+    # 128-token tiles: 2 chunks per slot with in-slot overlap, but for an fp32 output (its epilogue scratch)
+    big, big32 = wg.wgmma_config(131072, 1536), wg.wgmma_config(131072, 1536, torch.float32)
+    assert (big["block_t"], big["chunks"], big["unroll"], big["stages"]) == (128, 2, 2, 2)
+    assert (big32["block_t"], big32["chunks"], big32["stages"]) == (128, 1, 3)
 
 
 def test_cost_probe_rewrites_still_match_the_kernel():
