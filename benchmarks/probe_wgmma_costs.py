@@ -49,8 +49,23 @@ COPIES = """                async_copy.async_copy_global_to_shared(b_smem.index(
                 async_copy.async_copy_global_to_shared(w_smem.index(buf), (w_ptr + row0 * (K // 2) + c * 64) + w_off)
                 async_copy.async_copy_global_to_shared(s_smem.index(buf), (ws_ptr + row0 * (K // 16) + c * 8) + s_off)
 """
+EPILOGUE = """        _store_tile(
+            acc, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, e, t0, n0, row_end, N, wsdec_stride, HAS_AROWS, BT, NW, mma
+        )
+"""
+LOOKUP = "    return gl.load(tmap_ptr + pid * 4), gl.load(tmap_ptr + pid * 4 + 1), gl.load(tmap_ptr + pid * 4 + 2)\n"
+FIXED = "    return pid % 128, (pid % 128) * 16, (pid % 128) * 16 + 16  # probe: 128 experts x 16 rows, no lookup\n"
+BOUND = "gl.load(tmap_ptr + 3) * n_tiles"
 VARIANTS = {
     "loads only": [(FENCE + STEP, "")],
+    "loads only, no epilogue": [(FENCE + STEP, ""), (EPILOGUE, "        pass\n")],
+    # the 256-token workload's tiles (128 experts x 16 rows) from pid alone: no tile-map or row-count load
+    "loads only, no epilogue, fixed tiles": [
+        (FENCE + STEP, ""),
+        (EPILOGUE, "        pass\n"),
+        (LOOKUP, FIXED),
+        (BOUND, "128 * n_tiles", 2),  # the tile loops of the loader and the consumers
+    ],
     "no loads": [(COPIES, "                pass\n")],
     "no decode": [
         (
@@ -85,9 +100,9 @@ VARIANTS = {
 def variant(name: str):
     """The w4a4_wgmma module with its consumer partition rewritten as VARIANTS[name]."""
     src = open(wg.__file__).read()
-    for old, new in VARIANTS[name]:
-        if src.count(old) != 1:
-            raise RuntimeError(f"{name}: the consumer loop no longer matches this probe's rewrite")
+    for old, new, *count in VARIANTS[name]:  # (text, replacement[, how many times it must occur: 1])
+        if src.count(old) != (count[0] if count else 1):
+            raise RuntimeError(f"{name}: the kernel no longer matches this probe's rewrite")
         src = src.replace(old, new)
     path = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False).name  # Gluon reads the source file
     with open(path, "w") as f:
@@ -122,8 +137,9 @@ def main() -> None:
             )
             out.append(f"{name} {us:.1f}")
         rows_op = perm.values[tok.long()].contiguous(), perm.global_decode.reshape(-1)[tok.long()].contiguous()
-        us = bench(lambda: mods["loads only"].grouped_w4a4_wgmma(*rows_op, offs, wc, wsc, wsd, **cfg))
-        out.append(f"loads only, contiguous rows {us:.1f}")
+        for name in ("loads only", "loads only, no epilogue, fixed tiles"):
+            us = bench(lambda name=name: mods[name].grouped_w4a4_wgmma(*rows_op, offs, wc, wsc, wsd, **cfg))
+            out.append(f"{name}, contiguous rows {us:.1f}")
         tiles = {k: cfg[k] for k in ("block_t", "num_warps", "stages", "loader_warps", "maxnreg", "ctas_per_sm")}
         print(f"tokens {tokens} rows {rows} {tiles}: " + " | ".join(out) + " us", flush=True)
 
