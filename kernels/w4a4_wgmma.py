@@ -399,8 +399,9 @@ def _ws_consumer(
     k-step wait for its slot; per 128-K chunk decode the codes into wgmma's register operand, wgmma
     against the activation rows and retire it (wait(0)), or with OVERLAP leave it in flight under the
     next chunk's decode inside the slot (wait(1); the slot's last chunk retires all: nothing in flight
-    across the back edge). OVERLAP needs registers for two decoded chunks: below ~200 per consumer
-    thread ptxas serializes every wgmma instead. Free the slot; then the tile's epilogue."""
+    across the back edge). OVERLAP needs registers for two decoded chunks: at the 104 consumer registers
+    of a two-CTAs-per-SM launch ptxas serializes every wgmma instead (128 sufficed at BT32, 176 at BT64,
+    240 at BT128; sass_wgmma.py). Free the slot; then the tile's epilogue."""
     BNW: gl.constexpr = 64 * (NW // 4)
     STAGES: gl.constexpr = ready.shape[0]
     KC: gl.constexpr = b_smem.shape[0] // STAGES
@@ -500,7 +501,7 @@ def run_length(k: int, chunks: int, unroll: int) -> int:
 
 
 _SASS_CHECKED: dict[str, list[str] | None] = {}  # compiled kernel hash -> hazards (None: SASS unreadable)
-_ONE_STEP_RUNS: set[tuple] = set()  # tiles whose multi-step runs were found unsafe or unverifiable
+_ONE_STEP_RUNS: set[tuple] = set()  # tiles whose multi-step runs (or in-slot overlap) were unsafe or unverifiable
 
 
 def _register_hazards(kernel) -> list[str] | None:
@@ -542,7 +543,8 @@ def grouped_w4a4_wgmma(
     chunks per pipeline step (1 or 2; 1 where K is not a multiple of 256); unroll: k-steps per
     straight-line run (run_length); maxnreg: a register cap per thread (None: ptxas decides; the
     warp-specialized kernel's cap is the launch's, split between its partitions); loader_warps: > 0
-    runs the warp-specialized kernel with that many cp.async loader warps (1-step runs; 0 the
+    runs the warp-specialized kernel with that many cp.async loader warps (1-step runs; there unroll > 1
+    with 2 chunks keeps each slot's first chunk's wgmma in flight under the second one's decode; 0 the
     single-partition kernel); ctas_per_sm: its CTAs persist, SMs * ctas_per_sm of them looping over
     the tiles (0: one CTA per tile).
 
