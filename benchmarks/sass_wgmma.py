@@ -59,7 +59,7 @@ def report(
     from benchmarks.sass_gemm_loop import registers_per_thread
 
     if loader_warps:  # the warp-specialized kernel: 1-step runs; unroll > 1: a slot's chunks overlap
-        overlap, unroll = chunks == 2 and unroll > 1, 1
+        overlap, unroll = wg.ws_overlap(chunks, unroll), 1
         consts = dict(K=k, HAS_AROWS=True, BT=block_t, STAGES=stages, KC=chunks, NW=num_warps, OVERLAP=overlap)
         consts["LW"] = loader_warps
         consts.update(LOADER_REGS=wg.ws_loader_regs(block_t, loader_warps, chunks), A_I64=False)

@@ -486,6 +486,12 @@ def ws_loader_regs(block_t: int, loader_warps: int, chunks: int = 1) -> int:
     return (40 if copies <= 4 else 48 if copies <= 8 else 88) + (8 if chunks == 2 and copies not in range(5, 9) else 0)
 
 
+def ws_overlap(chunks: int, unroll: int) -> bool:
+    """Whether the warp-specialized kernel (1-step runs) keeps a slot's first chunk's wgmma in flight under
+    the second one's decode: asked for by unroll > 1, possible with 2 chunks per slot."""
+    return chunks == 2 and unroll > 1
+
+
 def faster_than_triton(rows: int) -> bool:
     """Whether this GEMM beat the Triton GEMM (w4a4_grouped) at this many grouped rows in the H200
     sweeps (2026-12-02, Qwen3-30B-A3B fc1): not at <= 1024 rows (73 / 93 us vs 64 / 91 us at 128 /
@@ -571,8 +577,7 @@ def grouped_w4a4_wgmma(
         ctas_per_sm = cfg.get("ctas_per_sm", 0) if ctas_per_sm is None else ctas_per_sm
     if k % (CHUNK * chunks) or (loader_warps and k // (CHUNK * chunks) < 2):  # a 1-step K loop does not lower
         chunks = 1
-    # warp-specialized kernel: 1-step runs; unroll > 1 there keeps a slot's first chunk in flight (overlap)
-    overlap = bool(loader_warps) and chunks == 2 and (unroll or cfg["unroll"]) > 1
+    overlap = bool(loader_warps) and ws_overlap(chunks, unroll or cfg["unroll"])
     unroll = 1 if loader_warps else run_length(k, chunks, unroll or cfg["unroll"])
     min_stages = 2 if unroll == 1 else 3  # at least one k-step in flight ahead (see AHEAD in the kernel)
     bad_warps = num_warps not in ((4, 8, 16) if loader_warps else (4, 8)) or n % (ROWS_PER_WARPGROUP * num_warps // 4)
@@ -612,30 +617,37 @@ def grouped_w4a4_wgmma(
         tiles_ub = grid[0] * grid[1]  # row tiles are known on the device only: their upper bound
         p = min(tiles_ub, _sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub
         tile = ("ws", k, a_rows is not None, block_t, stages, num_warps, loader_warps, maxnreg, out_dtype)
-        overlap = overlap and tile not in _ONE_STEP_RUNS
-        kernel = _w4a4_wgmma_ws_kernel[(p,)](*args, p, OVERLAP=overlap, **consts)
-        found = _register_hazards(kernel)
-        if overlap and found != []:
-            why = "its SASS could not be read" if found is None else f"{len(found)} register hazards"
-            warnings.warn(f"Gluon GEMM: in-slot overlap not verified ({why}); retiring each chunk", stacklevel=2)
-            _ONE_STEP_RUNS.add(tile)
-            kernel = _w4a4_wgmma_ws_kernel[(p,)](*args, p, OVERLAP=False, **consts)
-            found = _register_hazards(kernel)
-        if found:  # each chunk retired: none expected; refuse rather than return a wrong tile
-            raise RuntimeError(f"wgmma register hazard in the warp-specialized Gluon GEMM: {found[:3]}")
+        _launch_verified(
+            lambda risky: _w4a4_wgmma_ws_kernel[(p,)](*args, p, OVERLAP=risky, **consts),
+            overlap,
+            tile,
+            "in-slot overlap",
+            "retiring each chunk",
+        )
         return y
     consts["KC"] = chunks
     tile = (k, a_rows is not None, block_t, stages, chunks, num_warps, maxnreg, out_dtype, unroll)
-    if tile in _ONE_STEP_RUNS:
-        unroll = 1
-    kernel = _w4a4_wgmma_kernel[grid](*args, UNROLL=unroll, **consts)
-    found = _register_hazards(kernel)
-    if unroll > 1 and found != []:
+    _launch_verified(
+        lambda risky: _w4a4_wgmma_kernel[grid](*args, UNROLL=unroll if risky else 1, **consts),
+        unroll > 1,
+        tile,
+        f"{unroll}-step runs",
+        "using 1-step runs",
+    )
+    return y
+
+
+def _launch_verified(launch, risky: bool, tile: tuple, what: str, safe: str) -> None:
+    """launch(risky) -> the compiled kernel, its SASS checked (sass_hazards). risky: the form that keeps
+    a wgmma in flight under the next decode (multi-step runs, in-slot overlap). Where that form shows a
+    register hazard or its SASS cannot be read: warn, remember the tile (never risky again) and relaunch
+    the safe form; a hazard there raises RuntimeError rather than return a wrong tile."""
+    risky = risky and tile not in _ONE_STEP_RUNS
+    found = _register_hazards(launch(risky))
+    if risky and found != []:
         why = "its SASS could not be read" if found is None else f"{len(found)} register hazards"
-        warnings.warn(f"Gluon GEMM: {unroll}-step runs not verified ({why}); using 1-step runs", stacklevel=2)
+        warnings.warn(f"Gluon GEMM: {what} not verified ({why}); {safe}", stacklevel=3)
         _ONE_STEP_RUNS.add(tile)
-        kernel = _w4a4_wgmma_kernel[grid](*args, UNROLL=1, **consts)
-        found = _register_hazards(kernel)
+        found = _register_hazards(launch(False))
     if found:
         raise RuntimeError(f"wgmma register hazard in the compiled Gluon GEMM (sass_hazards): {found[:3]}")
-    return y

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -171,7 +172,8 @@ def test_register_hazard_check_follows_the_loop_back_edge():
 
 class _FakeGluonLaunch_NoGPU:
     """Stands in for the compiled Gluon kernel (no sm_90 GPU here): records each launch's run length
-    and hands back SASS per run length (None: a kernel whose SASS cannot be disassembled)."""
+    and hands back SASS per run length (None: a kernel whose SASS cannot be disassembled); the
+    warp-specialized kernel's in-slot overlap counts as run length 2."""
 
     def __init__(self, sass_by_unroll: dict):
         self.sass_by_unroll, self.launches, self.consts, self.grids, self.args = sass_by_unroll, [], [], [], []
@@ -181,10 +183,12 @@ class _FakeGluonLaunch_NoGPU:
         return self._launch
 
     def _launch(self, *args, UNROLL=None, **consts):  # the warp-specialized kernel has no UNROLL
-        self.launches.append(UNROLL if UNROLL is not None else f"ws{consts['LW']}")
+        overlap = consts.get("OVERLAP", False)
+        self.launches.append(UNROLL if UNROLL is not None else f"ws{consts['LW']}" + (" overlap" if overlap else ""))
         self.consts.append(consts)
         self.args.append(args)
-        sass = self.sass_by_unroll[UNROLL or 1]
+        run = UNROLL or (2 if overlap else 1)
+        sass = self.sass_by_unroll[run]
 
         class Asm(dict):
             def __getitem__(self, name):
@@ -192,7 +196,7 @@ class _FakeGluonLaunch_NoGPU:
                     raise RuntimeError("no nvdisasm")
                 return sass
 
-        return type("Compiled", (), {"asm": Asm(), "hash": f"run{UNROLL}"})()
+        return type("Compiled", (), {"asm": Asm(), "hash": f"run{run}"})()
 
 
 def _gemm_with_fake_kernel(monkeypatch, sass_by_unroll, unroll=2, calls=1):
@@ -286,6 +290,32 @@ def test_gemm_runs_the_warp_specialized_kernel_for_loader_warps(monkeypatch):
     monkeypatch.setattr(wg, "_SASS_CHECKED", {})
     with pytest.raises(RuntimeError, match="register hazard"):
         wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=16, num_warps=4, stages=2, loader_warps=2)
+
+
+def test_warp_specialized_overlap_falls_back_to_retiring_each_chunk_and_remembers(monkeypatch):
+    """unroll 2 with 2 chunks per slot asks the warp-specialized kernel (faked: no GPU) for in-slot overlap;
+    its SASS decides it as for the one-partition kernel's multi-step runs."""
+    monkeypatch.setattr(wg, "usable", lambda device, n, k: True)
+    e, n, k = 2, 64, 512
+    w = (torch.zeros(e, n, k // 2, dtype=torch.uint8), torch.zeros(e, n, k // 16, dtype=torch.uint8), torch.ones(e))
+    a, s, offs = torch.zeros(5, k, dtype=torch.float16), torch.ones(5), torch.tensor([2, 5])
+    tile = dict(block_t=16, num_warps=4, stages=2, chunks=2, unroll=2, loader_warps=2)
+    for sass, launches in (({2: CLEAN}, ["ws2 overlap"] * 2), ({2: HAZARD, 1: CLEAN}, ["ws2 overlap", "ws2", "ws2"])):
+        fake = _FakeGluonLaunch_NoGPU(sass)
+        monkeypatch.setattr(wg, "_w4a4_wgmma_ws_kernel", fake)
+        monkeypatch.setattr(wg, "_SASS_CHECKED", {})
+        monkeypatch.setattr(wg, "_ONE_STEP_RUNS", set())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wg.grouped_w4a4_wgmma(a, s, offs, *w, **tile)
+            wg.grouped_w4a4_wgmma(a, s, offs, *w, **tile)
+        assert fake.launches == launches
+        assert [str(c.message) for c in caught] == (["Gluon GEMM: in-slot overlap not verified (1 register hazards); "
+                                                     "retiring each chunk"] if 1 in sass else [])  # fmt: skip
+    fake = _FakeGluonLaunch_NoGPU({1: CLEAN, 2: CLEAN})
+    monkeypatch.setattr(wg, "_w4a4_wgmma_ws_kernel", fake)
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, **{**tile, "chunks": 1})  # one chunk per slot: nothing to overlap
+    assert fake.launches == ["ws2"]
 
 
 def test_wgmma_config_uses_the_warp_specialized_kernel_above_4096_rows_persistent_above_16384():
