@@ -3,7 +3,8 @@
 python benchmarks/probe_wgmma_costs.py [--tokens 256,4096,16384]
 (CUDA GPU; CUDA-graph replay medians; Qwen3-30B-A3B fc1, token-indexed rows as moe_w4a4 runs fc1)
 
-Times the kernel at its wgmma_config tiles next to four scratch variants of its partitions, made by
+Times the kernel at its wgmma_config tiles (consumers unsplit; below 1025 grouped rows the 256-token
+warp-specialized tile) next to four scratch variants of its partitions, made by
 rewriting the module's source (so they always follow the shipped kernel; a rewrite that no longer
 matches raises):
   loads only  - the consumers wait for each slot and free it: the loader partition's own speed;
@@ -11,7 +12,12 @@ matches raises):
                 memory): the consumer partition's own speed;
   no decode   - step 0's codes decoded once, those registers fed to every wgmma;
   no MMA      - the decoded operand summed into the accumulator instead of a wgmma.
-Also the loads-only variant on contiguous rows (one operand row per grouped row: no token gather).
+Also the loads-only variant on contiguous rows (one operand row per grouped row: no token gather), the
+loads-only variant stripped step by step towards benchmarks/probe_load_paths.py (no epilogue; the
+256-token tiles from the program id alone; an exact grid; the load probe's loader registers; its
+unswizzled activation ring), the tile-map launch alone, the kernel and its consumers alone with split
+consumers (one partition per warpgroup), and at 256 tokens the load probe's kernel on this GEMM's
+codes and on random ones.
 The variants compute garbage; only their times mean anything.
 """
 
@@ -24,6 +30,7 @@ import sys
 import tempfile
 
 import torch
+import triton
 from quads_megatron.kernels import w4a4_grouped as kg
 from quads_megatron.kernels import w4a4_wgmma as wg
 
@@ -34,7 +41,7 @@ from benchmarks.probe_wgmma_tiles import HIDDEN, INTER, bench, fc1_rows, fc1_wei
 FENCE = """            hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
 """
 STEP = """            for ch in gl.static_range(KC):
-                acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT)
+                acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT, ROW0)
                 if OVERLAP and ch < KC - 1:
                     acc = hopper.warpgroup_mma_wait(1, deps=[acc])
                 else:
@@ -56,6 +63,9 @@ EPILOGUE = """        _store_tile(
 LOOKUP = "    return gl.load(tmap_ptr + pid * 4), gl.load(tmap_ptr + pid * 4 + 1), gl.load(tmap_ptr + pid * 4 + 2)\n"
 FIXED = "    return pid % 128, (pid % 128) * 16, (pid % 128) * 16 + 16  # probe: 128 experts x 16 rows, no lookup\n"
 BOUND = "gl.load(tmap_ptr + 3) * n_tiles"
+B_LAYOUT = "gl.NVMMASharedLayout.get_default_for([BT, 128], gl.float16)"
+GRID = "_sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub"
+LOADER_REGS = "loader_regs = ws_loader_regs(block_t, loader_warps, chunks)"
 VARIANTS = {
     "loads only": [(FENCE + STEP, "")],
     "loads only, no epilogue": [(FENCE + STEP, ""), (EPILOGUE, "        pass\n")],
@@ -65,6 +75,30 @@ VARIANTS = {
         (EPILOGUE, "        pass\n"),
         (LOOKUP, FIXED),
         (BOUND, "128 * n_tiles", 2),  # the tile loops of the loader and the consumers
+    ],
+    # ... and a grid of exactly those 1536 tiles (the host launches the row-tile bound: 768 more, empty)
+    "loads only, no epilogue, fixed tiles, exact grid": [
+        (FENCE + STEP, ""),
+        (EPILOGUE, "        pass\n"),
+        (LOOKUP, FIXED),
+        (BOUND, "128 * n_tiles", 2),
+        (GRID, "_sm_count(dev) * ctas_per_sm) if ctas_per_sm else 128 * grid[0]"),
+    ],
+    # ... and the load probe's loader register budget (benchmarks/probe_load_paths.py: 88)
+    "loads only, no epilogue, fixed tiles, loader regs 88": [
+        (FENCE + STEP, ""),
+        (EPILOGUE, "        pass\n"),
+        (LOOKUP, FIXED),
+        (BOUND, "128 * n_tiles", 2),
+        (LOADER_REGS, "loader_regs = 88"),
+    ],
+    # ... and the activation ring unswizzled, as the load probe's (loads only: wgmma never reads it)
+    "loads only, no epilogue, fixed tiles, plain activation ring": [
+        (FENCE + STEP, ""),
+        (EPILOGUE, "        pass\n"),
+        (LOOKUP, FIXED),
+        (BOUND, "128 * n_tiles", 2),
+        (B_LAYOUT, "plain"),
     ],
     "no loads": [(COPIES, "                pass\n")],
     "no decode": [
@@ -125,22 +159,43 @@ def main() -> None:
     for tokens in (int(t) for t in args.tokens.split(",")):
         offs, tok, rows = fc1_rows(tokens, g)
         perm = kg.activation_operand(torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16(), order="wgmma")
-        cfg = wg.wgmma_config(rows, 2 * INTER)
-        if not cfg.get("loader_warps"):  # below 4096 rows the default is the one-partition kernel
-            cfg.update(block_t=32, stages=4, loader_warps=4, maxnreg=80, ctas_per_sm=0)
+        cfg = {**wg.wgmma_config(rows, 2 * INTER), "split": False}  # the variants rewrite the unsplit consumer
+        if not cfg.get("loader_warps"):  # up to 1024 rows the default is the one-partition kernel
+            cfg.update(block_t=32, stages=3, chunks=2, loader_warps=4, maxnreg=80, ctas_per_sm=0)
         out = []
         for name, mod in mods.items():
+            if "fixed tiles" in name and tokens != 256:  # FIXED is the 256-token workload's tiles
+                continue
             us = bench(
                 lambda mod=mod: mod.grouped_w4a4_wgmma(
                     perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, **cfg
                 )
             )
             out.append(f"{name} {us:.1f}")
+        for name in ("full", "no loads"):  # each consumer warpgroup its own partition (not kept in step)
+            us = bench(
+                lambda mod=mods[name]: mod.grouped_w4a4_wgmma(
+                    perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, **{**cfg, "split": True}
+                )
+            )
+            out.append(f"{name}, split consumers {us:.1f}")
+        bt = cfg["block_t"]
+        tm = triton.cdiv(rows, bt) + offs.numel()
+        out.append(f"tile map alone {bench(lambda bt=bt, tm=tm: kg.tile_map(offs, bt, tm)):.1f}")
         rows_op = perm.values[tok.long()].contiguous(), perm.global_decode.reshape(-1)[tok.long()].contiguous()
-        for name in ("loads only", "loads only, no epilogue, fixed tiles"):
+        for name in ("loads only",) + (("loads only, no epilogue, fixed tiles",) if tokens == 256 else ()):
             us = bench(lambda name=name: mods[name].grouped_w4a4_wgmma(*rows_op, offs, wc, wsc, wsd, **cfg))
             out.append(f"{name}, contiguous rows {us:.1f}")
-        tiles = {k: cfg[k] for k in ("block_t", "num_warps", "stages", "loader_warps", "maxnreg", "ctas_per_sm")}
+        if tokens == 256:  # the load probe's kernel (probe_load_paths.py) on this GEMM's codes and scales
+            from benchmarks.probe_load_paths import stream
+
+            codes, scales = wc.view(-1, HIDDEN // 2), wsc.view(-1, HIDDEN // 16)
+            acts = torch.randn(wc.shape[0] * 32, HIDDEN, device="cuda").half()
+            for data, c in (("this GEMM's", codes), ("random", torch.randint_like(codes, 256))):
+                us = bench(lambda c=c: stream(c, scales, acts, "rows", 128, 128, True, 32, 3, 4, 0, 8, 80))
+                out.append(f"load probe (CB128 BT32 s3 w8 r80) on {data} codes {us:.1f}")
+        keys = ("block_t", "num_warps", "stages", "chunks", "loader_warps", "maxnreg", "ctas_per_sm")
+        tiles = {k: cfg[k] for k in keys}
         print(f"tokens {tokens} rows {rows} {tiles}: " + " | ".join(out) + " us", flush=True)
 
 

@@ -2,13 +2,14 @@
 shape, per token count, side by side with the Triton GEMM at its gemm_config default and the bf16 /
 FP8 peers; each tile is checked against the Triton GEMM (same exact products, other fp32 order).
 
-python benchmarks/probe_wgmma_tiles.py [--tokens 16,64,256,1024,4096,16384] [--budget-s 300]
+python benchmarks/probe_wgmma_tiles.py [--tokens 16,64,256,1024,4096,16384] [--budget-s 300] [--match REGEX]
 (CUDA GPU; CUDA-graph replay medians; token-indexed rows as moe_w4a4 runs fc1; no RAC)
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import torch
@@ -23,8 +24,8 @@ from quads_megatron.moe_w4a4 import route
 E, HIDDEN, INTER, TOPK = 128, 2048, 768, 8
 
 
-def tiles(rows: int) -> list[tuple[int, int, int, int, int, int | None, int, int]]:
-    """(block_t, warps, stages, chunks, unroll, maxnreg, loader_warps, ctas_per_sm) worth trying at this
+def tiles(rows: int) -> list[tuple]:
+    """(block_t, warps, stages, chunks, unroll, maxnreg, loader_warps, ctas_per_sm[, split]) worth trying at this
     many grouped rows. loader_warps > 0: the warp-specialized kernel (cp.async loader warps + mbarrier
     ring; its maxnreg is the launch's, split between partitions, and sets CTAs per SM); chunks 2 there:
     two 128-K chunks (128 code bytes of each weight row) per ring slot, and with unroll 2 the first one's
@@ -51,6 +52,9 @@ def tiles(rows: int) -> list[tuple[int, int, int, int, int, int | None, int, int
             (16, 8, 3, 2, 1, 80, 4, 2),
             (32, 8, 3, 2, 1, 80, 4, 2),
             (32, 8, 3, 2, 2, 96, 4, 0),
+            (32, 8, 4, 1, 1, 80, 4, 0, 1),
+            (32, 8, 3, 2, 1, 80, 4, 0, 1),
+            (16, 8, 3, 2, 1, 80, 4, 0, 1),
         ]
     if rows <= 16384:
         return [
@@ -59,6 +63,7 @@ def tiles(rows: int) -> list[tuple[int, int, int, int, int, int | None, int, int
             (64, 8, 2, 2, 1, 80, 4, 0),
             (32, 8, 3, 2, 1, 80, 4, 2),
             (64, 8, 2, 2, 1, 80, 4, 2),
+            (64, 8, 3, 1, 1, 80, 4, 0, 1),
         ]
     return [
         (64, 8, 3, 1, 1, 80, 4, 2),
@@ -68,6 +73,11 @@ def tiles(rows: int) -> list[tuple[int, int, int, int, int, int | None, int, int
         (128, 8, 2, 2, 1, 168, 4, 1),
         (128, 8, 2, 2, 2, 168, 4, 1),
         (64, 8, 3, 2, 2, 128, 4, 1),
+        (64, 8, 3, 1, 1, 80, 4, 2, 1),
+        (128, 8, 2, 2, 2, 168, 4, 1, 1),
+        (128, 8, 3, 1, 1, 168, 4, 1, 1),
+        (128, 8, 4, 1, 1, 168, 4, 1, 1),
+        (64, 8, 3, 2, 2, 128, 4, 1, 1),
     ]
 
 
@@ -92,6 +102,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="16,64,256,1024,4096,16384")
     ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--match", default="", help="only the tiles whose name (as printed) this regex finds")
     args = ap.parse_args()
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -124,7 +135,10 @@ def main() -> None:
             flush=True,
         )
         res = []
-        for bt, nw, st, kc, un, regs, lw, cps in tiles(rows):
+        for bt, nw, st, kc, un, regs, lw, cps, *split in tiles(rows):
+            name = f"BT{bt} w{nw} s{st} c{kc} u{un} r{regs or '-'} ws{lw} p{cps}" + (" split" if split else "")
+            if not re.search(args.match, name):
+                continue
             if time.time() - t0 > args.budget_s:
                 print("budget spent; stopping", flush=True)
                 break
@@ -137,6 +151,7 @@ def main() -> None:
                 maxnreg=regs,
                 loader_warps=lw,
                 ctas_per_sm=cps,
+                split=bool(split),
             )
             try:
                 try:
@@ -155,20 +170,16 @@ def main() -> None:
             except Exception as e:  # out of shared memory / registers: report and go on
                 print(f"  tile {kw} failed: {repr(e)[:160]}", flush=True)
                 continue
-            res.append((us, bt, nw, st, kc, un, regs or 0, lw, cps, err))
+            res.append((us, name, err))
             print(
-                f"  BT{bt} w{nw} s{st} c{kc} u{un} r{regs or '-'} ws{lw} p{cps}: {us:.1f} us  {bf16 / us:.2f}x bf16  "
+                f"  {name}: {us:.1f} us  {bf16 / us:.2f}x bf16  "
                 f"{fp8 / us:.2f}x fp8  {triton_us / us:.2f}x triton  rel err vs triton {err:.1e}",
                 flush=True,
             )
         if res:
             best = min(res)
             d = wg.wgmma_config(rows, 2 * INTER)
-            print(
-                f"  best BT{best[1]} w{best[2]} s{best[3]} c{best[4]} u{best[5]} r{best[6] or '-'} ws{best[7]} "
-                f"p{best[8]} {best[0]:.1f} us; default {d}; max err {max(r[9] for r in res):.1e}",
-                flush=True,
-            )
+            print(f"  best {best[1]} {best[0]:.1f} us; default {d}; max err {max(r[2] for r in res):.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ def report(
     dump: str | None = None,
     loader_warps: int = 0,
     maxnreg: int | None = None,
+    split: bool = False,
 ) -> dict:
     import triton
     from quads_megatron.kernels import w4a4_wgmma as wg
@@ -62,11 +63,13 @@ def report(
         overlap, unroll = wg.ws_overlap(chunks, unroll), 1
         consts = dict(K=k, HAS_AROWS=True, BT=block_t, STAGES=stages, KC=chunks, NW=num_warps, OVERLAP=overlap)
         consts["LW"] = loader_warps
-        consts.update(LOADER_REGS=wg.ws_loader_regs(block_t, loader_warps, chunks), A_I64=False)
+        consts.update(LOADER_REGS=wg.ws_loader_regs(block_t, loader_warps, chunks), A_I64=False, SPLIT=split)
+        # as grouped_w4a4_wgmma launches it (split: the first consumer warpgroup is the launch's)
+        consts["CONSUMER_REGS"] = wg.ws_consumer_regs(maxnreg, loader_warps, consts["LOADER_REGS"]) if split else 0
     else:
         unroll = wg.run_length(k, chunks, unroll)
         consts = dict(K=k, HAS_AROWS=True, BT=block_t, STAGES=stages, KC=chunks, UNROLL=unroll, NW=num_warps)
-    consts["CODES_LAYOUT"] = wg._codes_layout(num_warps)
+    consts["CODES_LAYOUT"] = wg._codes_layout(4 if split else num_warps)
     src = GluonASTSource(
         fn=wg._w4a4_wgmma_ws_kernel if loader_warps else wg._w4a4_wgmma_kernel,
         signature={**(WS_SIGNATURE if loader_warps else SIGNATURE), **dict.fromkeys(consts, "constexpr")},
@@ -76,12 +79,12 @@ def report(
     compiled = triton.compile(
         src,
         target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {})),
+        options=dict(num_warps=4 if split else num_warps, **({"maxnreg": maxnreg} if maxnreg else {})),
     )
     sass = compiled.asm["sass"]
     if dump:
         os.makedirs(dump, exist_ok=True)
-        name = f"wgmma_{block_t}_{num_warps}_{stages}_{chunks}_{unroll}_{loader_warps}"
+        name = f"wgmma_{block_t}_{num_warps}_{stages}_{chunks}_{unroll}_{loader_warps}" + ("_split" if split else "")
         with open(os.path.join(dump, name + ".sass"), "w") as out:
             out.write(sass)
         with open(os.path.join(dump, name + ".ptx"), "w") as out:
@@ -99,7 +102,8 @@ def report(
     weights_per_thread = 64 * (num_warps // 4) * 128 * chunks * unroll // (32 * num_warps)
     return {
         "tile": f"BT{block_t} w{num_warps} s{stages} c{chunks} u{unroll}"
-        + (f" ws{loader_warps}" + (" overlap" if consts["OVERLAP"] else "") if loader_warps else ""),
+        + (f" ws{loader_warps}" + (" overlap" if consts["OVERLAP"] else "") if loader_warps else "")
+        + (" split" if split else ""),
         "hgmma_a_operands": re.findall(r"HGMMA\.\S+ R\d+, (\S+), gdesc", sass),
         "hgmma_shape": sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass))),
         "wgmma_waits": re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass),
@@ -129,7 +133,7 @@ def main() -> None:
     ap.add_argument(
         "tiles",
         nargs="+",
-        help="BT,warps,stages,chunks[,unroll[,loader warps (the warp-specialized kernel)[,maxnreg]]]",
+        help="BT,warps,stages,chunks[,unroll[,loader warps (the warp-specialized kernel)[,maxnreg[,split 0/1]]]]",
     )
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--json", action="store_true", help="one JSON list on stdout")
@@ -138,8 +142,8 @@ def main() -> None:
     out = []
     for t in args.tiles:
         v = [int(x) for x in t.split(",")]
-        ws, cap = (v[5:] + [0, 0])[:2]
-        out.append(report(*v[:5], k=args.k, dump=args.dump, loader_warps=ws, maxnreg=cap or None))
+        ws, cap, split = (v[5:] + [0, 0, 0])[:3]
+        out.append(report(*v[:5], k=args.k, dump=args.dump, loader_warps=ws, maxnreg=cap or None, split=bool(split)))
     if args.json:
         print(json.dumps(out))
         return

@@ -18,7 +18,7 @@ wgmma left in flight across the loop's back edge had ptxas reuse its register op
 tiles on the H200); inside straight-line code ptxas keeps it. sass_hazards checks exactly that on
 each compiled kernel (grouped_w4a4_wgmma falls back to 1-step runs where it finds a hazard).
 
-Warp-specialized variant (_w4a4_wgmma_ws_kernel, wgmma_config's choice above 4096 grouped rows): a
+Warp-specialized variant (_w4a4_wgmma_ws_kernel, wgmma_config's choice above 1024 grouped rows): a
 loader partition (cp.async, per-slot mbarriers; one or two 128-K chunks per slot) fills the ring, the
 consumer warps only wait, decode, wgmma and free the slot; with ctas_per_sm its CTAs persist and loop
 over the tiles. Every CTA finds its tile (expert, rows) in a tile map built by one small launch
@@ -88,9 +88,9 @@ def usable(device: torch.device, n: int, k: int) -> bool:
     return _capability_ok(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def wgmma_config(rows: int, n: int, out_dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+def wgmma_config(rows: int, n: int, out_dtype: torch.dtype = torch.bfloat16) -> dict[str, int | bool]:
     """Tiles by grouped rows (tokens * top-k): token tile BT (wgmma N), warps (64 weight rows per
-    warpgroup), ring depth, 128-K chunks per step, k-steps per straight-line run; above 4096 rows the
+    warpgroup), ring depth, 128-K chunks per step, k-steps per straight-line run; above 1024 rows the
     warp-specialized kernel (loader_warps cp.async warps; maxnreg: the launch's register cap, 80 = two
     CTAs per SM) with persistent CTAs (ctas_per_sm) above 16384 rows. From the H200 sweeps
     (benchmarks/probe_wgmma_tiles.py, 2026-12-02): shallow rings (more CTAs per SM) at decode sizes;
@@ -98,19 +98,26 @@ def wgmma_config(rows: int, n: int, out_dtype: torch.dtype = torch.bfloat16) -> 
     persistent CTAs 3-5% faster at 32768 rows and, with 128-token tiles, at 131072 rows; there (2026-12-03)
     2 chunks per slot with the first one's wgmma in flight under the second one's decode: 1854 -> 1754 us
     at 131072 rows. That 2-slot ring leaves no room for an fp32 output's epilogue scratch (233.5 KB of
-    227 KB on the H200): fp32 output keeps the 3-slot, 1-chunk ring."""
-    if rows <= 4096:
+    227 KB on the H200): fp32 output keeps the 3-slot, 1-chunk ring. Split consumers (session 8: one
+    partition per consumer warpgroup, not kept in step by a barrier per k-step): 1805 -> 1644 us at
+    131072 rows, 119.5 -> 116.1 us at 2048 rows (32-token tiles; 114.0 with 2 chunks per slot, where
+    the one-partition kernel took ~119), no gain at 32768 rows."""
+    if rows <= 1024:
         cfg = dict(block_t=16, num_warps=8, stages=3, chunks=1, unroll=1)
+    elif rows <= 4096:
+        cfg = dict(block_t=32, num_warps=8, stages=3, chunks=2, unroll=1, loader_warps=4, maxnreg=80)
+        cfg.update(ctas_per_sm=0, split=True)
     elif rows <= 65536:
         cfg = dict(block_t=64, num_warps=8, stages=3, chunks=1, unroll=1, loader_warps=4, maxnreg=80)
         cfg["ctas_per_sm"] = 0 if rows <= 16384 else 2
     else:
         cfg = dict(block_t=128, num_warps=8, stages=2, chunks=2, unroll=2, loader_warps=4, maxnreg=168, ctas_per_sm=1)
+        cfg["split"] = True
         if out_dtype.itemsize > 2:
             cfg.update(stages=3, chunks=1, unroll=1)
     if n % (ROWS_PER_WARPGROUP * cfg["num_warps"] // 4):  # N a multiple of 64 only: one warpgroup, one partition
         cfg.update(block_t=min(cfg["block_t"], 64), num_warps=4, loader_warps=0, maxnreg=None, ctas_per_sm=0)
-        cfg.update(stages=3, chunks=1, unroll=1)
+        cfg.update(stages=3, chunks=1, unroll=1, split=False)
     return cfg
 
 
@@ -159,12 +166,19 @@ def _alloc_ring(SLOTS: gl.constexpr, BT: gl.constexpr, BNW: gl.constexpr):
 
 
 @gluon.jit
-def _decode_and_mma(b_smem, w_smem, s_smem, buf, acc, BNW: gl.constexpr, CODES_LAYOUT: gl.constexpr):
-    """Decode ring buffer buf's codes into wgmma's register operand and issue the (async) wgmma against
-    its activation rows; the caller retires it."""
+def _decode_and_mma(
+    b_smem, w_smem, s_smem, buf, acc, BNW: gl.constexpr, CODES_LAYOUT: gl.constexpr, ROW0: gl.constexpr = 0
+):
+    """Decode ring buffer buf's codes (its weight rows ROW0 .. ROW0 + BNW) into wgmma's register operand
+    and issue the (async) wgmma against its activation rows; the caller retires it."""
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
-    c = w_smem.index(buf).reshape([BNW, 8, 8]).load(CODES_LAYOUT)
-    sc = s_smem.index(buf).load(gl.SliceLayout(2, CODES_LAYOUT))
+    w_buf = w_smem.index(buf).reshape([w_smem.shape[1], 8, 8])
+    s_buf = s_smem.index(buf)
+    if BNW != w_smem.shape[1]:  # one warpgroup's rows of the slot (split consumers)
+        w_buf = w_buf.slice(ROW0, BNW)
+        s_buf = s_buf.slice(ROW0, BNW)
+    c = w_buf.load(CODES_LAYOUT)
+    sc = s_buf.load(gl.SliceLayout(2, CODES_LAYOUT))
     a = _decode_a(c, sc, BNW, a_layout)
     return hopper.warpgroup_mma(a, b_smem.index(buf).permute((1, 0)), acc, is_async=True)
 
@@ -394,8 +408,10 @@ def _ws_consumer(
     NW: gl.constexpr,
     CODES_LAYOUT: gl.constexpr,
     OVERLAP: gl.constexpr,
+    ROW0: gl.constexpr,
 ):
-    """Default partition (NW warps, 64 weight rows per warpgroup): for each of this CTA's tiles, per
+    """Consumer partition (NW warps, 64 weight rows per warpgroup, from the slot's row ROW0: split
+    consumers are one partition per warpgroup): for each of this CTA's tiles, per
     k-step wait for its slot; per 128-K chunk decode the codes into wgmma's register operand, wgmma
     against the activation rows and retire it (wait(0)), or with OVERLAP leave it in flight under the
     next chunk's decode inside the slot (wait(1); the slot's last chunk retires all: nothing in flight
@@ -403,10 +419,11 @@ def _ws_consumer(
     of a two-CTAs-per-SM launch ptxas serializes every wgmma instead (128 sufficed at BT32, 176 at BT64,
     240 at BT128; sass_wgmma.py). Free the slot; then the tile's epilogue."""
     BNW: gl.constexpr = 64 * (NW // 4)
+    BNWC: gl.constexpr = w_smem.shape[1]  # the CTA's weight rows (all consumer partitions)
     STAGES: gl.constexpr = ready.shape[0]
     KC: gl.constexpr = b_smem.shape[0] // STAGES
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16])
-    n_tiles = N // BNW
+    n_tiles = N // BNWC
     it = 0  # k-steps consumed by this CTA so far
     for t in range(gl.program_id(0), gl.load(tmap_ptr + 3) * n_tiles, P):
         e, t0, row_end = _tile_coords(tmap_ptr, t // n_tiles)  # for the epilogue; loaded under the K loop
@@ -416,14 +433,14 @@ def _ws_consumer(
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
             hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
             for ch in gl.static_range(KC):
-                acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT)
+                acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT, ROW0)
                 if OVERLAP and ch < KC - 1:
                     acc = hopper.warpgroup_mma_wait(1, deps=[acc])
                 else:
                     acc = hopper.warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index(slot), count=1)
             it += 1
-        n0 = (t % n_tiles) * BNW
+        n0 = (t % n_tiles) * BNWC + ROW0
         _store_tile(
             acc, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, e, t0, n0, row_end, N, wsdec_stride, HAS_AROWS, BT, NW, mma
         )
@@ -453,6 +470,8 @@ def _w4a4_wgmma_ws_kernel(
     A_I64: gl.constexpr,
     CODES_LAYOUT: gl.constexpr,
     OVERLAP: gl.constexpr,
+    SPLIT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     """Warp-specialized variant of _w4a4_wgmma_kernel (KC 128-K chunks per ring slot, 1-step runs): LW
     loader warps fill the ring by cp.async and per-slot mbarriers, the NW consumer warps only decode and
@@ -465,17 +484,31 @@ def _w4a4_wgmma_ws_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=LW * 32)
-        mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize(  # (argument tuples inline: a tuple variable would turn the constexprs into tensors)
-        [
-            (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, N,
-                            P, wsdec_stride, K, HAS_AROWS, BT, NW, CODES_LAYOUT, OVERLAP)),
-            (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, ready, empty, N, P, K,
-                          HAS_AROWS, A_I64, BT, BNW, LW)),
-        ],
-        [LW],
-        [LOADER_REGS],
-    )  # fmt: skip
+        mbarrier.init(empty.index(i), count=2 if SPLIT else 1)
+    if SPLIT:  # one consumer partition per warpgroup (NW == 8): each runs ahead on its own (see _ws_consumer)
+        gl.warp_specialize(
+            [
+                (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr,
+                                y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 0)),
+                (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr,
+                                y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 64)),
+                (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, ready, empty, N, P,
+                              K, HAS_AROWS, A_I64, BT, BNW, LW)),
+            ],
+            [4, LW],
+            [CONSUMER_REGS, LOADER_REGS],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(  # (argument tuples inline: a tuple variable would turn the constexprs into tensors)
+            [
+                (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr,
+                                y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, NW, CODES_LAYOUT, OVERLAP, 0)),
+                (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, ready, empty, N, P,
+                              K, HAS_AROWS, A_I64, BT, BNW, LW)),
+            ],
+            [LW],
+            [LOADER_REGS],
+        )  # fmt: skip
 
 
 def ws_loader_regs(block_t: int, loader_warps: int, chunks: int = 1) -> int:
@@ -484,6 +517,15 @@ def ws_loader_regs(block_t: int, loader_warps: int, chunks: int = 1) -> int:
     but at 5-8 copies); without spills outside the register handoff (sass_wgmma.py, sm_90)."""
     copies = block_t * 16 // (32 * loader_warps)
     return (40 if copies <= 4 else 48 if copies <= 8 else 88) + (8 if chunks == 2 and copies not in range(5, 9) else 0)
+
+
+def ws_consumer_regs(maxnreg: int | None, loader_warps: int, loader_regs: int) -> int:
+    """Registers per thread of the second consumer warpgroup of a split warp-specialized launch: an equal
+    share (a multiple of 8) of what the launch's cap leaves after the loader; the first warpgroup gets the
+    rest. Without a cap, the register file of one CTA per SM."""
+    threads = 32 * (8 + loader_warps)
+    budget = (maxnreg or 65536 // threads // 8 * 8) * threads - 32 * loader_warps * loader_regs
+    return budget // 256 // 8 * 8
 
 
 def ws_overlap(chunks: int, unroll: int) -> bool:
@@ -540,6 +582,7 @@ def grouped_w4a4_wgmma(
     maxnreg: int | None = None,
     loader_warps: int | None = None,
     ctas_per_sm: int | None = None,
+    split: bool | None = None,
 ) -> torch.Tensor:
     """y [rows, N] = S_dec_a * S_dec_w[e] * (A @ W_e^T) for the grouped rows of offs (see grouped_w4a4).
 
@@ -552,7 +595,9 @@ def grouped_w4a4_wgmma(
     runs the warp-specialized kernel with that many cp.async loader warps (1-step runs; there unroll > 1
     with 2 chunks keeps each slot's first chunk's wgmma in flight under the second one's decode; 0 the
     single-partition kernel); ctas_per_sm: its CTAs persist, SMs * ctas_per_sm of them looping over
-    the tiles (0: one CTA per tile).
+    the tiles (0: one CTA per tile); split: its two consumer warpgroups (num_warps 8) run as two
+    partitions, each on its own 64 weight rows of every slot, instead of one partition kept in step by
+    a barrier per k-step (ws_consumer_regs: their register share).
 
     Each compiled tile's SASS is checked once (sass_hazards): multi-step runs whose wgmma register
     operand could be rewritten in flight (or whose SASS cannot be read) fall back to 1-step runs,
@@ -572,9 +617,11 @@ def grouped_w4a4_wgmma(
     num_warps = num_warps or cfg["num_warps"]
     stages = stages or cfg["stages"]
     chunks = chunks or cfg["chunks"]
-    if loader_warps is None:  # the configured kernel, with its register cap and persistence
+    if loader_warps is None:  # the configured kernel, with its register cap, persistence and consumers
         loader_warps, maxnreg = cfg.get("loader_warps", 0), maxnreg or cfg.get("maxnreg")
         ctas_per_sm = cfg.get("ctas_per_sm", 0) if ctas_per_sm is None else ctas_per_sm
+        split = cfg.get("split", False) if split is None and num_warps == cfg["num_warps"] else split
+    split = bool(split)
     if k % (CHUNK * chunks) or (loader_warps and k // (CHUNK * chunks) < 2):  # a 1-step K loop does not lower
         chunks = 1
     overlap = bool(loader_warps) and ws_overlap(chunks, unroll or cfg["unroll"])
@@ -582,11 +629,13 @@ def grouped_w4a4_wgmma(
     min_stages = 2 if unroll == 1 else 3  # at least one k-step in flight ahead (see AHEAD in the kernel)
     bad_warps = num_warps not in ((4, 8, 16) if loader_warps else (4, 8)) or n % (ROWS_PER_WARPGROUP * num_warps // 4)
     bad_loader = loader_warps not in (0, 1, 2, 4) or 32 * loader_warps > ROWS_PER_WARPGROUP * num_warps // 4
-    if bad_warps or stages < min_stages or chunks not in (1, 2) or bad_loader:
+    bad_split = split and (not loader_warps or num_warps != 8)
+    if bad_warps or stages < min_stages or chunks not in (1, 2) or bad_loader or bad_split:
         raise NVFP4InputError(
             f"bad tiles: num_warps={num_warps} (4 or 8, 16 with loader warps; N % (16 * warps) == 0), stages={stages} "
             f"(>= {min_stages} with {unroll}-step runs), chunks={chunks} (1 or 2), loader_warps="
-            f"{loader_warps} (0, 1, 2 or 4, at most one per 32 weight rows of a CTA)"
+            f"{loader_warps} (0, 1, 2 or 4, at most one per 32 weight rows of a CTA), split={split} (with "
+            "loader warps and num_warps 8 only)"
         )
     dev = w_codes.device
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
@@ -608,15 +657,16 @@ def grouped_w4a4_wgmma(
     if maxnreg:
         consts["maxnreg"] = maxnreg
     if loader_warps:
+        loader_regs = ws_loader_regs(block_t, loader_warps, chunks)
         consts.update(
-            KC=chunks,
-            LW=loader_warps,
-            LOADER_REGS=ws_loader_regs(block_t, loader_warps, chunks),
-            A_I64=values.shape[0] * k >= 2**31,
+            KC=chunks, LW=loader_warps, LOADER_REGS=loader_regs, A_I64=values.shape[0] * k >= 2**31, SPLIT=split
         )
+        consts["CONSUMER_REGS"] = ws_consumer_regs(maxnreg, loader_warps, loader_regs) if split else 0
+        if split:  # the launch is the first consumer warpgroup's; the second one and the loader are workers
+            consts.update(num_warps=4, CODES_LAYOUT=_codes_layout(4))
         tiles_ub = grid[0] * grid[1]  # row tiles are known on the device only: their upper bound
         p = min(tiles_ub, _sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub
-        tile = ("ws", k, a_rows is not None, block_t, stages, num_warps, loader_warps, maxnreg, out_dtype)
+        tile = ("ws", k, a_rows is not None, block_t, stages, num_warps, loader_warps, maxnreg, out_dtype, split)
         _launch_verified(
             lambda risky: _w4a4_wgmma_ws_kernel[(p,)](*args, p, OVERLAP=risky, **consts),
             overlap,

@@ -203,7 +203,7 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
             block_m=16,
             block_n=64,
         )[:rows]
-        for bt, nw, st, kc, un, regs, lw, cps in [
+        for bt, nw, st, kc, un, regs, lw, cps, *split in [
             (16, 4, 3, 1, 1, None, 0, 0),
             (16, 8, 2, 2, 1, None, 0, 0),
             (16, 8, 8, 1, 4, None, 0, 0),
@@ -224,10 +224,14 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
             (128, 8, 3, 1, 1, 168, 4, 1),
             (64, 8, 3, 2, 2, 128, 4, 1),  # ... a slot's first chunk in flight under the second one's decode
             (32, 8, 3, 2, 2, 96, 4, 0),
+            (32, 8, 4, 1, 1, 80, 4, 0, True),  # ... each consumer warpgroup its own partition
+            (64, 8, 3, 1, 1, 80, 4, 2, True),
+            (64, 8, 3, 2, 2, 128, 4, 1, True),
+            (16, 8, 3, 2, 1, None, 4, 0, True),
         ]:  # unroll: k-steps per straight-line run (each decode but the run's first overlaps a wgmma); unroll 1
             # with 2 stages: the ring refills the slot of the step just retired
             kw = dict(block_t=bt, num_warps=nw, stages=st, chunks=kc, unroll=un, maxnreg=regs, loader_warps=lw)
-            kw["ctas_per_sm"] = cps
+            kw.update(ctas_per_sm=cps, split=bool(split))
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a register-hazard fallback would warn
                 got = wg.grouped_w4a4_wgmma(a, s_dec, offs, *w, torch.float32, a_rows, **kw)

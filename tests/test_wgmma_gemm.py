@@ -83,14 +83,15 @@ SASS_TOOL = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sass_wg
 def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
     """Every tile wgmma_config picks (and a few others), compiled for sm_90 in a fresh process (the
     interpreter that the other tests use patches Triton's language in this one). Tiles with loader warps
-    are the warp-specialized kernel."""
+    are the warp-specialized kernel; split: its consumer warpgroups as two partitions (two K loops)."""
     sizes = [(128, 1536), (2048, 1536), (8192, 2048), (32768, 1536), (131072, 1536), (131072, 64)]
     configs = [wg.wgmma_config(r, n) for r, n in sizes] + [wg.wgmma_config(131072, 1536, torch.float32)]
-    keys = ("block_t", "num_warps", "stages", "chunks", "unroll", "loader_warps", "maxnreg")  # persistence: a grid size
-    tiles = sorted(
-        {tuple(c.get(key) or 0 for key in keys) for c in configs}
-        | {(32, 8, 4, 2, 2, 0, 0), (16, 8, 6, 1, 8, 0, 0), (64, 8, 4, 1, 1, 0, 0), (32, 8, 2, 1, 1, 2, 80)}
-        | {(16, 8, 3, 2, 1, 4, 80), (32, 8, 3, 2, 1, 4, 80), (128, 8, 2, 2, 2, 4, 168)}
+    keys = ("block_t", "num_warps", "stages", "chunks", "unroll", "loader_warps", "maxnreg", "split")  # persistence:
+    tiles = sorted(  # a grid size
+        {tuple(int(c.get(key) or 0) for key in keys) for c in configs}
+        | {(32, 8, 4, 2, 2, 0, 0, 0), (16, 8, 6, 1, 8, 0, 0, 0), (64, 8, 4, 1, 1, 0, 0, 0), (32, 8, 2, 1, 1, 2, 80, 0)}
+        | {(16, 8, 3, 2, 1, 4, 80, 0), (32, 8, 3, 2, 1, 4, 80, 0), (128, 8, 2, 2, 2, 4, 168, 0)}
+        | {(32, 8, 4, 1, 1, 4, 80, 1), (128, 8, 2, 2, 2, 4, 168, 1)}
     )
     assert any(t[5] for t in tiles) and any(not t[5] for t in tiles)
     env = {**os.environ, "TRITON_INTERPRET": "0"}
@@ -105,17 +106,18 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
     reports = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(reports) == len(tiles)
     assert any(t[5] and t[3] == 2 and t[4] > 1 for t in tiles)  # a warp-specialized tile with in-slot overlap
-    for (bt, nw, _, kc, un, lw, _), r in zip(tiles, reports, strict=True):
+    for (bt, nw, _, kc, un, lw, _, split), r in zip(tiles, reports, strict=True):
         overlap, un = (kc == 2 and un > 1, 1) if lw else (False, un)  # warp-specialized kernel: 1-step runs
         assert r["hgmma_shape"] == [f"64x{bt}x16"], r
         # 8 wgmma per 128-K chunk, A from registers (a shared-memory A would be a second descriptor)
-        assert len(r["hgmma_a_operands"]) == 8 * kc * un and all(a.startswith("R") for a in r["hgmma_a_operands"]), r
+        mmas = 8 * kc * un * (2 if split else 1)
+        assert len(r["hgmma_a_operands"]) == mmas and all(a.startswith("R") for a in r["hgmma_a_operands"]), r
         # one-partition kernel: within a run each decode overlaps the previous chunk's wgmma, the run's last
         # chunk retires all; warp-specialized: each chunk's wgmma retired before the next decode. Either way
         # one wait per chunk (ptxas serializing the wgmmas would put one after each of the 8); with in-slot
         # overlap the slot's first chunk stays in flight under the second one's decode
         want = ["0x1", "0x0"] if overlap else ["0x0"] * kc if lw else ["0x1"] * (kc * un - 1) + ["0x0"]
-        assert (r["wgmma_waits"] if lw else r["wgmma_waits"][: kc * un]) == want, r
+        assert (r["wgmma_waits"] if lw else r["wgmma_waits"][: kc * un]) == want * (2 if split else 1), r
         # ... and no register an in-flight wgmma reads or accumulates into is rewritten on any path
         assert r["register_hazards"] == [], r
         # no local memory, but for the loader's register handoff in the warp-specialized kernel (a few
@@ -318,9 +320,45 @@ def test_warp_specialized_overlap_falls_back_to_retiring_each_chunk_and_remember
     assert fake.launches == ["ws2"]
 
 
-def test_wgmma_config_uses_the_warp_specialized_kernel_above_4096_rows_persistent_above_16384():
+def test_split_consumers_launch_one_warpgroup_per_partition(monkeypatch):
+    """split: the warp-specialized kernel (faked: no GPU) is launched with the first consumer warpgroup's
+    4 warps, 4-warp code layouts and the second warpgroup's register share of the launch's cap; only with
+    loader warps and 8 consumer warps."""
+    fake = _FakeGluonLaunch_NoGPU({1: CLEAN})
+    monkeypatch.setattr(wg, "_w4a4_wgmma_ws_kernel", fake)
+    monkeypatch.setattr(wg, "usable", lambda device, n, k: True)
+    monkeypatch.setattr(wg, "_SASS_CHECKED", {})
+    e, n, k = 2, 128, 512
+    w = (torch.zeros(e, n, k // 2, dtype=torch.uint8), torch.zeros(e, n, k // 16, dtype=torch.uint8), torch.ones(e))
+    a, s, offs = torch.zeros(5, k, dtype=torch.float16), torch.ones(5), torch.tensor([2, 5])
+    tile = dict(block_t=32, num_warps=8, stages=3, loader_warps=4, maxnreg=80)
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, **tile, split=True)
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, **tile)
+    split, whole = fake.consts
+    assert (split["SPLIT"], split["num_warps"], whole["SPLIT"], whole["num_warps"]) == (True, 4, False, 8)
+    assert split["CODES_LAYOUT"] == wg._codes_layout(4) and whole["CODES_LAYOUT"] == wg._codes_layout(8)
+    # 80 registers x 384 threads, less 40 x 128 for the loader: 100 each, the second warpgroup 96
+    assert split["CONSUMER_REGS"] == wg.ws_consumer_regs(80, 4, 40) == 96 and split["LOADER_REGS"] == 40
+    assert whole["CONSUMER_REGS"] == 0
+    assert wg.ws_consumer_regs(None, 4, 96) == 200  # no cap: one CTA per SM (168 registers per thread)
+    for bad in (dict(loader_warps=0), dict(num_warps=4, loader_warps=2)):
+        with pytest.raises(NVFP4InputError, match="split=True"):
+            wg.grouped_w4a4_wgmma(a, s, offs, *w, **{**tile, **bad}, split=True)
+    assert len(fake.launches) == 2
+    # the default tiles at 2048 grouped rows split their consumers; tiles given by the caller do not unless asked
+    a, s = torch.zeros(2048, k, dtype=torch.float16), torch.ones(2048)
+    offs = torch.tensor([1024, 2048])
+    wg.grouped_w4a4_wgmma(a, s, offs, *w)
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=32, num_warps=4, stages=3, loader_warps=2)
+    assert [c["SPLIT"] for c in fake.consts[2:]] == [True, False]
+    assert wg.wgmma_config(2048, n)["split"] and fake.consts[2]["num_warps"] == 4
+
+
+def test_wgmma_config_uses_the_warp_specialized_kernel_above_1024_rows_persistent_above_16384():
     for rows, n in [
         (128, 1536),
+        (1024, 1536),
+        (1025, 1536),
         (4096, 1536),
         (4097, 1536),
         (16384, 1536),
@@ -330,7 +368,9 @@ def test_wgmma_config_uses_the_warp_specialized_kernel_above_4096_rows_persisten
     ]:
         cfg = wg.wgmma_config(rows, n)
         lw = cfg.get("loader_warps", 0)
-        assert (lw > 0) == (rows > 4096 and n % 128 == 0), (rows, cfg)
+        assert (lw > 0) == (rows > 1024 and n % 128 == 0), (rows, cfg)
+        # split consumers (one partition per warpgroup) where they measured faster: 32- and 128-token tiles
+        assert cfg.get("split", False) == (lw > 0 and cfg["block_t"] in (32, 128)), (rows, cfg)
         assert (cfg.get("ctas_per_sm", 0) > 0) == (rows > 16384 and n % 128 == 0), (rows, cfg)
         assert n % (16 * cfg["num_warps"]) == 0 and 32 * lw <= 16 * cfg["num_warps"], (rows, n, cfg)
     # 128-token tiles: 2 chunks per slot with in-slot overlap, but for an fp32 output (its epilogue scratch)
