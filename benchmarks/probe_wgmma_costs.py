@@ -16,8 +16,8 @@ Also the loads-only variant on contiguous rows (one operand row per grouped row:
 loads-only variant stripped step by step towards benchmarks/probe_load_paths.py (no epilogue; the
 256-token tiles from the program id alone; an exact grid; the load probe's loader registers; its
 unswizzled activation ring), the tile-map launch alone, the kernel and its consumers alone with split
-consumers (one partition per warpgroup), and at 256 tokens the load probe's kernel on this GEMM's
-codes and on random ones.
+consumers (one partition per warpgroup) and with rows past the expert zero-filled by the copy (not
+read from row 0), and at 256 tokens the load probe's kernel on this GEMM's codes and on random ones.
 The variants compute garbage; only their times mean anything.
 """
 
@@ -52,10 +52,14 @@ TILE_HEAD = """        acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
 A_LAYOUT = "gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)"
 DECODE = """_decode_a(w_smem.index({s}).reshape([BNW, 8, 8]).load(CODES_LAYOUT),
                       s_smem.index({s}).load(gl.SliceLayout(2, CODES_LAYOUT)), BNW, {layout})"""
-COPIES = """                async_copy.async_copy_global_to_shared(b_smem.index(buf), (a_ptr + c * 128) + b_off)
-                async_copy.async_copy_global_to_shared(w_smem.index(buf), (w_ptr + row0 * (K // 2) + c * 64) + w_off)
-                async_copy.async_copy_global_to_shared(s_smem.index(buf), (ws_ptr + row0 * (K // 16) + c * 8) + s_off)
-"""
+COPIES = "".join(  # the loader's three copies of a chunk
+    " " * 16 + f"async_copy.async_copy_global_to_shared({line})\n"
+    for line in (
+        "b_smem.index(buf), (a_ptr + c * 128) + b_off, mask=b_mask",
+        "w_smem.index(buf), (w_ptr + row0 * (K // 2) + c * 64) + w_off",
+        "s_smem.index(buf), (ws_ptr + row0 * (K // 16) + c * 8) + s_off",
+    )
+)
 EPILOGUE = """        _store_tile(
             acc, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, e, t0, n0, row_end, N, wsdec_stride, HAS_AROWS, BT, NW, mma
         )
@@ -66,40 +70,26 @@ BOUND = "gl.load(tmap_ptr + 3) * n_tiles"
 B_LAYOUT = "gl.NVMMASharedLayout.get_default_for([BT, 128], gl.float16)"
 GRID = "_sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub"
 LOADER_REGS = "loader_regs = ws_loader_regs(block_t, loader_warps, chunks)"
+FIXED_TILES = [
+    (FENCE + STEP, ""),
+    (EPILOGUE, "        pass\n"),
+    (LOOKUP, FIXED),
+    (BOUND, "128 * n_tiles", 2),  # the tile loops of the loader and the consumers
+]
 VARIANTS = {
     "loads only": [(FENCE + STEP, "")],
     "loads only, no epilogue": [(FENCE + STEP, ""), (EPILOGUE, "        pass\n")],
     # the 256-token workload's tiles (128 experts x 16 rows) from pid alone: no tile-map or row-count load
-    "loads only, no epilogue, fixed tiles": [
-        (FENCE + STEP, ""),
-        (EPILOGUE, "        pass\n"),
-        (LOOKUP, FIXED),
-        (BOUND, "128 * n_tiles", 2),  # the tile loops of the loader and the consumers
-    ],
+    "loads only, no epilogue, fixed tiles": FIXED_TILES,
     # ... and a grid of exactly those 1536 tiles (the host launches the row-tile bound: 768 more, empty)
     "loads only, no epilogue, fixed tiles, exact grid": [
-        (FENCE + STEP, ""),
-        (EPILOGUE, "        pass\n"),
-        (LOOKUP, FIXED),
-        (BOUND, "128 * n_tiles", 2),
+        *FIXED_TILES,
         (GRID, "_sm_count(dev) * ctas_per_sm) if ctas_per_sm else 128 * grid[0]"),
     ],
     # ... and the load probe's loader register budget (benchmarks/probe_load_paths.py: 88)
-    "loads only, no epilogue, fixed tiles, loader regs 88": [
-        (FENCE + STEP, ""),
-        (EPILOGUE, "        pass\n"),
-        (LOOKUP, FIXED),
-        (BOUND, "128 * n_tiles", 2),
-        (LOADER_REGS, "loader_regs = 88"),
-    ],
+    "loads only, no epilogue, fixed tiles, loader regs 88": [*FIXED_TILES, (LOADER_REGS, "loader_regs = 88")],
     # ... and the activation ring unswizzled, as the load probe's (loads only: wgmma never reads it)
-    "loads only, no epilogue, fixed tiles, plain activation ring": [
-        (FENCE + STEP, ""),
-        (EPILOGUE, "        pass\n"),
-        (LOOKUP, FIXED),
-        (BOUND, "128 * n_tiles", 2),
-        (B_LAYOUT, "plain"),
-    ],
+    "loads only, no epilogue, fixed tiles, plain activation ring": [*FIXED_TILES, (B_LAYOUT, "plain")],
     "no loads": [(COPIES, "                pass\n")],
     "no decode": [
         (
@@ -172,13 +162,20 @@ def main() -> None:
                 )
             )
             out.append(f"{name} {us:.1f}")
-        for name in ("full", "no loads"):  # each consumer warpgroup its own partition (not kept in step)
+        for name, extra in (  # each consumer warpgroup its own partition (not kept in step); rows past the
+            ("full", dict(split=True)),  # expert zero-filled instead of read from row 0
+            ("no loads", dict(split=True)),
+            ("full", dict(mask_rows=True)),
+            ("full", dict(split=True, mask_rows=True)),
+            ("loads only", dict(mask_rows=True)),
+        ):
             us = bench(
-                lambda mod=mods[name]: mod.grouped_w4a4_wgmma(
-                    perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, **{**cfg, "split": True}
+                lambda mod=mods[name], extra=extra: mod.grouped_w4a4_wgmma(
+                    perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, **{**cfg, **extra}
                 )
             )
-            out.append(f"{name}, split consumers {us:.1f}")
+            label = ", ".join(["split consumers"] * ("split" in extra) + ["zero-filled rows"] * ("mask_rows" in extra))
+            out.append(f"{name}, {label} {us:.1f}")
         bt = cfg["block_t"]
         tm = triton.cdiv(rows, bt) + offs.numel()
         out.append(f"tile map alone {bench(lambda bt=bt, tm=tm: kg.tile_map(offs, bt, tm)):.1f}")

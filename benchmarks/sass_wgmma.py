@@ -50,6 +50,7 @@ def report(
     loader_warps: int = 0,
     maxnreg: int | None = None,
     split: bool = False,
+    mask_rows: bool = False,
 ) -> dict:
     import triton
     from quads_megatron.kernels import w4a4_wgmma as wg
@@ -62,6 +63,7 @@ def report(
     if loader_warps:  # the warp-specialized kernel: 1-step runs; unroll > 1: a slot's chunks overlap
         overlap, unroll = wg.ws_overlap(chunks, unroll), 1
         consts = dict(K=k, HAS_AROWS=True, BT=block_t, STAGES=stages, KC=chunks, NW=num_warps, OVERLAP=overlap)
+        consts["MASK_ROWS"] = mask_rows
         consts["LW"] = loader_warps
         consts.update(LOADER_REGS=wg.ws_loader_regs(block_t, loader_warps, chunks), A_I64=False, SPLIT=split)
         # as grouped_w4a4_wgmma launches it (split: the first consumer warpgroup is the launch's)
@@ -69,6 +71,7 @@ def report(
     else:
         unroll = wg.run_length(k, chunks, unroll)
         consts = dict(K=k, HAS_AROWS=True, BT=block_t, STAGES=stages, KC=chunks, UNROLL=unroll, NW=num_warps)
+        consts["MASK_ROWS"] = mask_rows
     consts["CODES_LAYOUT"] = wg._codes_layout(4 if split else num_warps)
     src = GluonASTSource(
         fn=wg._w4a4_wgmma_ws_kernel if loader_warps else wg._w4a4_wgmma_kernel,
@@ -85,6 +88,7 @@ def report(
     if dump:
         os.makedirs(dump, exist_ok=True)
         name = f"wgmma_{block_t}_{num_warps}_{stages}_{chunks}_{unroll}_{loader_warps}" + ("_split" if split else "")
+        name += "_masked" if mask_rows else ""
         with open(os.path.join(dump, name + ".sass"), "w") as out:
             out.write(sass)
         with open(os.path.join(dump, name + ".ptx"), "w") as out:
@@ -103,7 +107,8 @@ def report(
     return {
         "tile": f"BT{block_t} w{num_warps} s{stages} c{chunks} u{unroll}"
         + (f" ws{loader_warps}" + (" overlap" if consts["OVERLAP"] else "") if loader_warps else "")
-        + (" split" if split else ""),
+        + (" split" if split else "")
+        + (" masked rows" if mask_rows else ""),
         "hgmma_a_operands": re.findall(r"HGMMA\.\S+ R\d+, (\S+), gdesc", sass),
         "hgmma_shape": sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass))),
         "wgmma_waits": re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass),
@@ -133,7 +138,8 @@ def main() -> None:
     ap.add_argument(
         "tiles",
         nargs="+",
-        help="BT,warps,stages,chunks[,unroll[,loader warps (the warp-specialized kernel)[,maxnreg[,split 0/1]]]]",
+        help="BT,warps,stages,chunks[,unroll[,loader warps (the warp-specialized kernel)[,maxnreg[,split 0/1"
+        "[,mask_rows 0/1]]]]]",
     )
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--json", action="store_true", help="one JSON list on stdout")
@@ -142,8 +148,9 @@ def main() -> None:
     out = []
     for t in args.tiles:
         v = [int(x) for x in t.split(",")]
-        ws, cap, split = (v[5:] + [0, 0, 0])[:3]
-        out.append(report(*v[:5], k=args.k, dump=args.dump, loader_warps=ws, maxnreg=cap or None, split=bool(split)))
+        ws, cap, split, masked = (v[5:] + [0, 0, 0, 0])[:4]
+        kw = dict(loader_warps=ws, maxnreg=cap or None, split=bool(split), mask_rows=bool(masked))
+        out.append(report(*v[:5], k=args.k, dump=args.dump, **kw))
     if args.json:
         print(json.dumps(out))
         return

@@ -184,11 +184,15 @@ def _decode_and_mma(
 
 
 @gluon.jit
-def _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, step, slot, KC: gl.constexpr):
-    """cp.async the activation rows, code bytes and scale bytes of k-step `step` (KC chunks) into `slot`."""
+def _issue_step(
+    b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, b_rows, step, slot, KC: gl.constexpr, MASK_ROWS: gl.constexpr
+):
+    """cp.async the activation rows, code bytes and scale bytes of k-step `step` (KC chunks) into `slot`;
+    MASK_ROWS: activation rows outside b_rows (bool [BT, 1]) are zero-filled, not read."""
     for ch in gl.static_range(KC):
         j = step * KC + ch
-        async_copy.async_copy_global_to_shared(b_smem.index(slot * KC + ch), b_ptrs + j * 128)
+        b_mask = b_rows if MASK_ROWS else None
+        async_copy.async_copy_global_to_shared(b_smem.index(slot * KC + ch), b_ptrs + j * 128, mask=b_mask)
         async_copy.async_copy_global_to_shared(w_smem.index(slot * KC + ch), w_ptrs + j * 64)
         async_copy.async_copy_global_to_shared(s_smem.index(slot * KC + ch), s_ptrs + j * 8)
 
@@ -256,6 +260,7 @@ def _w4a4_wgmma_kernel(
     UNROLL: gl.constexpr,
     NW: gl.constexpr,
     CODES_LAYOUT: gl.constexpr,
+    MASK_ROWS: gl.constexpr,
 ):
     BNW: gl.constexpr = 64 * (NW // 4)
     NK: gl.constexpr = K // (128 * KC)  # k-steps of KC chunks
@@ -275,7 +280,8 @@ def _w4a4_wgmma_kernel(
     if HAS_AROWS:
         tok = gl.load(arows_ptr + r, mask=r < row_end, other=0).to(gl.int64)
     else:
-        tok = gl.where(r < row_end, r, 0).to(gl.int64)  # rows past the expert copy row 0 (never stored)
+        tok = gl.where(r < row_end, r, 0).to(gl.int64)  # rows past the expert copy row 0 (never stored) ...
+    b_rows = (r < row_end)[:, None]  # ... or, with MASK_ROWS, are zero-filled without a read
     b_ptrs = a_ptr + tok[:, None] * K + gl.arange(0, 128, layout=gl.SliceLayout(0, b_copy))[None, :]
     wr = (e * N + n0 + gl.arange(0, BNW, layout=gl.SliceLayout(1, w_copy))).to(gl.int64)
     w_ptrs = w_ptr + wr[:, None] * (K // 2) + gl.arange(0, 64, layout=gl.SliceLayout(0, w_copy))[None, :]
@@ -288,7 +294,7 @@ def _w4a4_wgmma_kernel(
     AHEAD: gl.constexpr = STAGES - 1 if UNROLL == 1 else STAGES - 2
     for i in gl.static_range(AHEAD):  # prologue: k-steps 0 .. AHEAD-1
         if i < NK:
-            _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, i, i, KC)
+            _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, b_rows, i, i, KC, MASK_ROWS)
         async_copy.commit_group()
 
     acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
@@ -304,7 +310,7 @@ def _w4a4_wgmma_kernel(
             _cta_barrier()  # everyone's are; the wgmmas of k-step kk+AHEAD-STAGES have retired
             nxt = kk + AHEAD
             if nxt < NK:  # refill the slot k-step kk+AHEAD-STAGES used
-                _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, nxt, nxt % STAGES, KC)
+                _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, b_rows, nxt, nxt % STAGES, KC, MASK_ROWS)
             async_copy.commit_group()
             for ch in gl.static_range(KC):
                 acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT)
@@ -339,13 +345,15 @@ def _ws_loader(
     BT: gl.constexpr,
     BNW: gl.constexpr,
     LW: gl.constexpr,
+    MASK_ROWS: gl.constexpr,
 ):
     """Worker partition (LW warps): for each of this CTA's tiles, cp.async each k-step's activation rows,
     code and scale bytes (KC 128-K chunks, one ring buffer each) into the next ring slot once the
     consumers freed it (empty), then arm ready[slot] to complete when this thread's copies land
     (cp.async.mbarrier.arrive.noinc: ready counts LW * 32 arrivals). The ring runs on across tiles: the
     next tile's first steps load during this one's last MMAs and epilogue. Offsets are int32 from
-    per-step scalar bases; A_I64: token offsets need int64."""
+    per-step scalar bases; A_I64: token offsets need int64. MASK_ROWS: activation rows past the expert
+    are zero-filled without a read (else they copy row 0)."""
     STAGES: gl.constexpr = ready.shape[0]
     KC: gl.constexpr = b_smem.shape[0] // STAGES
     b_copy: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])  # [BT, 128] fp16, 16 B each
@@ -368,6 +376,7 @@ def _ws_loader(
             tok = gl.load(arows_ptr + r, mask=r < row_end, other=0)
         else:
             tok = gl.where(r < row_end, r, 0)  # rows past the expert copy row 0 (never stored)
+        b_rows = (r < row_end)[:, None]
         if A_I64:
             tok = tok.to(gl.int64)
         else:
@@ -380,7 +389,8 @@ def _ws_loader(
             for ch in gl.static_range(KC):
                 c = j * KC + ch
                 buf = slot * KC + ch
-                async_copy.async_copy_global_to_shared(b_smem.index(buf), (a_ptr + c * 128) + b_off)
+                b_mask = b_rows if MASK_ROWS else None
+                async_copy.async_copy_global_to_shared(b_smem.index(buf), (a_ptr + c * 128) + b_off, mask=b_mask)
                 async_copy.async_copy_global_to_shared(w_smem.index(buf), (w_ptr + row0 * (K // 2) + c * 64) + w_off)
                 async_copy.async_copy_global_to_shared(s_smem.index(buf), (ws_ptr + row0 * (K // 16) + c * 8) + s_off)
             async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
@@ -472,6 +482,7 @@ def _w4a4_wgmma_ws_kernel(
     OVERLAP: gl.constexpr,
     SPLIT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
+    MASK_ROWS: gl.constexpr,
 ):
     """Warp-specialized variant of _w4a4_wgmma_kernel (KC 128-K chunks per ring slot, 1-step runs): LW
     loader warps fill the ring by cp.async and per-slot mbarriers, the NW consumer warps only decode and
@@ -493,7 +504,7 @@ def _w4a4_wgmma_ws_kernel(
                 (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr,
                                 y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 64)),
                 (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, ready, empty, N, P,
-                              K, HAS_AROWS, A_I64, BT, BNW, LW)),
+                              K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS)),
             ],
             [4, LW],
             [CONSUMER_REGS, LOADER_REGS],
@@ -504,7 +515,7 @@ def _w4a4_wgmma_ws_kernel(
                 (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr,
                                 y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, NW, CODES_LAYOUT, OVERLAP, 0)),
                 (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, ready, empty, N, P,
-                              K, HAS_AROWS, A_I64, BT, BNW, LW)),
+                              K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS)),
             ],
             [LW],
             [LOADER_REGS],
@@ -583,6 +594,7 @@ def grouped_w4a4_wgmma(
     loader_warps: int | None = None,
     ctas_per_sm: int | None = None,
     split: bool | None = None,
+    mask_rows: bool = False,
 ) -> torch.Tensor:
     """y [rows, N] = S_dec_a * S_dec_w[e] * (A @ W_e^T) for the grouped rows of offs (see grouped_w4a4).
 
@@ -597,7 +609,9 @@ def grouped_w4a4_wgmma(
     single-partition kernel); ctas_per_sm: its CTAs persist, SMs * ctas_per_sm of them looping over
     the tiles (0: one CTA per tile); split: its two consumer warpgroups (num_warps 8) run as two
     partitions, each on its own 64 weight rows of every slot, instead of one partition kept in step by
-    a barrier per k-step (ws_consumer_regs: their register share).
+    a barrier per k-step (ws_consumer_regs: their register share); mask_rows: activation rows past an
+    expert's rows are zero-filled by the copy instead of read from row 0 (every CTA with a partial tile
+    re-reads that one row; at 256 tokens half of each tile's rows). Off by default: not yet run on a GPU.
 
     Each compiled tile's SASS is checked once (sass_hazards): multi-step runs whose wgmma register
     operand could be rewritten in flight (or whose SASS cannot be read) fall back to 1-step runs,
@@ -652,7 +666,7 @@ def grouped_w4a4_wgmma(
         n,
         w_sdec.stride(0),
     )
-    consts = dict(K=k, HAS_AROWS=a_rows is not None, BT=block_t)
+    consts = dict(K=k, HAS_AROWS=a_rows is not None, BT=block_t, MASK_ROWS=bool(mask_rows))
     consts.update(STAGES=stages, NW=num_warps, CODES_LAYOUT=_codes_layout(num_warps), num_warps=num_warps)
     if maxnreg:
         consts["maxnreg"] = maxnreg

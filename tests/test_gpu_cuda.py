@@ -203,7 +203,7 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
             block_m=16,
             block_n=64,
         )[:rows]
-        for bt, nw, st, kc, un, regs, lw, cps, *split in [
+        for bt, nw, st, kc, un, regs, lw, cps, *flags in [
             (16, 4, 3, 1, 1, None, 0, 0),
             (16, 8, 2, 2, 1, None, 0, 0),
             (16, 8, 8, 1, 4, None, 0, 0),
@@ -228,10 +228,14 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
             (64, 8, 3, 1, 1, 80, 4, 2, True),
             (64, 8, 3, 2, 2, 128, 4, 1, True),
             (16, 8, 3, 2, 1, None, 4, 0, True),
+            (32, 8, 3, 2, 1, 80, 4, 0, True, True),  # ... rows past the expert zero-filled, not read
+            (128, 8, 2, 2, 2, 168, 4, 1, True, True),
+            (16, 8, 3, 1, 1, None, 0, 0, False, True),
         ]:  # unroll: k-steps per straight-line run (each decode but the run's first overlaps a wgmma); unroll 1
             # with 2 stages: the ring refills the slot of the step just retired
             kw = dict(block_t=bt, num_warps=nw, stages=st, chunks=kc, unroll=un, maxnreg=regs, loader_warps=lw)
-            kw.update(ctas_per_sm=cps, split=bool(split))
+            split, mask_rows = (list(flags) + [False, False])[:2]
+            kw.update(ctas_per_sm=cps, split=split, mask_rows=mask_rows)
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a register-hazard fallback would warn
                 got = wg.grouped_w4a4_wgmma(a, s_dec, offs, *w, torch.float32, a_rows, **kw)

@@ -93,6 +93,7 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
         | {(16, 8, 3, 2, 1, 4, 80, 0), (32, 8, 3, 2, 1, 4, 80, 0), (128, 8, 2, 2, 2, 4, 168, 0)}
         | {(32, 8, 4, 1, 1, 4, 80, 1), (128, 8, 2, 2, 2, 4, 168, 1)}
     )
+    tiles += [(32, 8, 3, 2, 1, 4, 80, 1, 1), (16, 8, 3, 1, 1, 0, 0, 0, 1)]  # rows past the expert zero-filled
     assert any(t[5] for t in tiles) and any(not t[5] for t in tiles)
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run(
@@ -106,7 +107,7 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
     reports = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(reports) == len(tiles)
     assert any(t[5] and t[3] == 2 and t[4] > 1 for t in tiles)  # a warp-specialized tile with in-slot overlap
-    for (bt, nw, _, kc, un, lw, _, split), r in zip(tiles, reports, strict=True):
+    for (bt, nw, _, kc, un, lw, _, split, *_), r in zip(tiles, reports, strict=True):
         overlap, un = (kc == 2 and un > 1, 1) if lw else (False, un)  # warp-specialized kernel: 1-step runs
         assert r["hgmma_shape"] == [f"64x{bt}x16"], r
         # 8 wgmma per 128-K chunk, A from registers (a shared-memory A would be a second descriptor)
@@ -339,6 +340,7 @@ def test_split_consumers_launch_one_warpgroup_per_partition(monkeypatch):
     assert split["CODES_LAYOUT"] == wg._codes_layout(4) and whole["CODES_LAYOUT"] == wg._codes_layout(8)
     # 80 registers x 384 threads, less 40 x 128 for the loader: 100 each, the second warpgroup 96
     assert split["CONSUMER_REGS"] == wg.ws_consumer_regs(80, 4, 40) == 96 and split["LOADER_REGS"] == 40
+    assert not split["MASK_ROWS"] and not whole["MASK_ROWS"]  # zero-filled rows only when asked (not yet measured)
     assert whole["CONSUMER_REGS"] == 0
     assert wg.ws_consumer_regs(None, 4, 96) == 200  # no cap: one CTA per SM (168 registers per thread)
     for bad in (dict(loader_warps=0), dict(num_warps=4, loader_warps=2)):
