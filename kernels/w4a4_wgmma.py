@@ -20,10 +20,11 @@ each compiled kernel (grouped_w4a4_wgmma falls back to 1-step runs where it find
 
 Warp-specialized variant (_w4a4_wgmma_ws_kernel, wgmma_config's choice above 1024 grouped rows): a
 loader partition (cp.async, per-slot mbarriers; one or two 128-K chunks per slot) fills the ring, the
-consumer warps only wait, decode, wgmma and free the slot; with ctas_per_sm its CTAs persist and loop
-over the tiles. Every CTA finds its tile (expert, rows) in a tile map built by one small launch
-(w4a4_grouped.tile_map): one round trip, where a binary search over the experts took ~8 dependent loads. On the H200 the
-load path, not the decode or the MMA, is what most of its time goes to (benchmarks/NOTES.md).
+consumer warps only wait, decode, wgmma and free the slot (one partition, or one per consumer
+warpgroup: "split consumers"); with ctas_per_sm its CTAs persist and loop over the tiles. Every CTA
+finds its tile (expert, rows) in a tile map built by one small launch (w4a4_grouped.tile_map): one
+round trip, where a binary search over the experts took ~8 dependent loads. On the H200 the load
+path, not the decode or the MMA, is what most of its time goes to (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -486,7 +487,10 @@ def _w4a4_wgmma_ws_kernel(
 ):
     """Warp-specialized variant of _w4a4_wgmma_kernel (KC 128-K chunks per ring slot, 1-step runs): LW
     loader warps fill the ring by cp.async and per-slot mbarriers, the NW consumer warps only decode and
-    issue wgmma; no CTA-wide barrier, each warpgroup runs ahead as far as the ring allows. Tiles (row
+    issue wgmma; no CTA-wide barrier. Triton puts a partition-wide barrier before every mbarrier wait,
+    so one consumer partition's warpgroups move in step; SPLIT (NW == 8) makes each warpgroup its own
+    partition (CONSUMER_REGS: the second one's registers), which then runs ahead of the other as far
+    as the ring allows. MASK_ROWS: activation rows past the expert are zero-filled, not read. Tiles (row
     tile, N tile; N fastest) t = program_id, program_id + P, ...: P = the grid, one tile per CTA when it
     covers them all, else persistent CTAs whose ring runs on from one tile into the next."""
     BNW: gl.constexpr = 64 * (NW // 4)
