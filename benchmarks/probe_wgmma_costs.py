@@ -162,19 +162,18 @@ def main() -> None:
                 )
             )
             out.append(f"{name} {us:.1f}")
-        for name, extra in (  # each consumer warpgroup its own partition (not kept in step); rows past the
-            ("full", dict(split=True)),  # expert zero-filled instead of read from row 0
-            ("no loads", dict(split=True)),
-            ("full", dict(mask_rows=True)),
-            ("full", dict(split=True, mask_rows=True)),
-            ("loads only", dict(mask_rows=True)),
+        for name, label, extra in (  # each consumer warpgroup its own partition (not kept in step); rows
+            ("full", "split consumers", dict(split=True)),  # past the expert zero-filled, not read from row 0
+            ("no loads", "split consumers", dict(split=True)),
+            ("full", "zero-filled rows", dict(mask_rows=True)),
+            ("full", "split consumers, zero-filled rows", dict(split=True, mask_rows=True)),
+            ("loads only", "zero-filled rows", dict(mask_rows=True)),
         ):
             us = bench(
                 lambda mod=mods[name], extra=extra: mod.grouped_w4a4_wgmma(
                     perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, **{**cfg, **extra}
                 )
             )
-            label = ", ".join(["split consumers"] * ("split" in extra) + ["zero-filled rows"] * ("mask_rows" in extra))
             out.append(f"{name}, {label} {us:.1f}")
         bt = cfg["block_t"]
         tm = triton.cdiv(rows, bt) + offs.numel()

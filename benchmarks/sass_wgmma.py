@@ -63,16 +63,13 @@ def report(
     if loader_warps:  # the warp-specialized kernel: 1-step runs; unroll > 1: a slot's chunks overlap
         overlap, unroll = wg.ws_overlap(chunks, unroll), 1
         consts = dict(K=k, HAS_AROWS=True, BT=block_t, STAGES=stages, KC=chunks, NW=num_warps, OVERLAP=overlap)
-        consts["MASK_ROWS"] = mask_rows
-        consts["LW"] = loader_warps
-        consts.update(LOADER_REGS=wg.ws_loader_regs(block_t, loader_warps, chunks), A_I64=False, SPLIT=split)
-        # as grouped_w4a4_wgmma launches it (split: the first consumer warpgroup is the launch's)
-        consts["CONSUMER_REGS"] = wg.ws_consumer_regs(maxnreg, loader_warps, consts["LOADER_REGS"]) if split else 0
+        consts.update(MASK_ROWS=mask_rows, A_I64=False)
+        consts.update(wg.ws_launch_consts(block_t, num_warps, chunks, loader_warps, maxnreg, split))
     else:
         unroll = wg.run_length(k, chunks, unroll)
         consts = dict(K=k, HAS_AROWS=True, BT=block_t, STAGES=stages, KC=chunks, UNROLL=unroll, NW=num_warps)
-        consts["MASK_ROWS"] = mask_rows
-    consts["CODES_LAYOUT"] = wg._codes_layout(4 if split else num_warps)
+        consts.update(MASK_ROWS=mask_rows, CODES_LAYOUT=wg._codes_layout(num_warps), num_warps=num_warps)
+    launch_warps = consts.pop("num_warps")  # a compile option, not a constexpr
     src = GluonASTSource(
         fn=wg._w4a4_wgmma_ws_kernel if loader_warps else wg._w4a4_wgmma_kernel,
         signature={**(WS_SIGNATURE if loader_warps else SIGNATURE), **dict.fromkeys(consts, "constexpr")},
@@ -82,7 +79,7 @@ def report(
     compiled = triton.compile(
         src,
         target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=4 if split else num_warps, **({"maxnreg": maxnreg} if maxnreg else {})),
+        options=dict(num_warps=launch_warps, **({"maxnreg": maxnreg} if maxnreg else {})),
     )
     sass = compiled.asm["sass"]
     if dump:

@@ -543,6 +543,25 @@ def ws_consumer_regs(maxnreg: int | None, loader_warps: int, loader_regs: int) -
     return budget // 256 // 8 * 8
 
 
+def ws_launch_consts(
+    block_t: int, num_warps: int, chunks: int, loader_warps: int, maxnreg: int | None, split: bool
+) -> dict:
+    """The warp-specialized kernel's launch constants that follow from its tile: loader warps and their
+    registers, split consumers and the second warpgroup's registers, the code layout of one consumer
+    partition and the launch's warps (split: the first consumer warpgroup's; the second one and the
+    loader are workers)."""
+    loader_regs = ws_loader_regs(block_t, loader_warps, chunks)
+    partition_warps = 4 if split else num_warps
+    return dict(
+        LW=loader_warps,
+        LOADER_REGS=loader_regs,
+        SPLIT=split,
+        CONSUMER_REGS=ws_consumer_regs(maxnreg, loader_warps, loader_regs) if split else 0,
+        CODES_LAYOUT=_codes_layout(partition_warps),
+        num_warps=partition_warps,
+    )
+
+
 def ws_overlap(chunks: int, unroll: int) -> bool:
     """Whether the warp-specialized kernel (1-step runs) keeps a slot's first chunk's wgmma in flight under
     the second one's decode: asked for by unroll > 1, possible with 2 chunks per slot."""
@@ -675,13 +694,8 @@ def grouped_w4a4_wgmma(
     if maxnreg:
         consts["maxnreg"] = maxnreg
     if loader_warps:
-        loader_regs = ws_loader_regs(block_t, loader_warps, chunks)
-        consts.update(
-            KC=chunks, LW=loader_warps, LOADER_REGS=loader_regs, A_I64=values.shape[0] * k >= 2**31, SPLIT=split
-        )
-        consts["CONSUMER_REGS"] = ws_consumer_regs(maxnreg, loader_warps, loader_regs) if split else 0
-        if split:  # the launch is the first consumer warpgroup's; the second one and the loader are workers
-            consts.update(num_warps=4, CODES_LAYOUT=_codes_layout(4))
+        consts.update(KC=chunks, A_I64=values.shape[0] * k >= 2**31)
+        consts.update(ws_launch_consts(block_t, num_warps, chunks, loader_warps, maxnreg, split))
         tiles_ub = grid[0] * grid[1]  # row tiles are known on the device only: their upper bound
         p = min(tiles_ub, _sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub
         tile = ("ws", k, a_rows is not None, block_t, stages, num_warps, loader_warps, maxnreg, out_dtype, split)
