@@ -3,8 +3,9 @@
 python benchmarks/probe_wgmma_costs.py [--tokens 256,4096,16384]
 (CUDA GPU; CUDA-graph replay medians; Qwen3-30B-A3B fc1, token-indexed rows as moe_w4a4 runs fc1)
 
-Times the kernel at its wgmma_config tiles (consumers unsplit; below 1025 grouped rows the 256-token
-warp-specialized tile) next to four scratch variants of its partitions, made by
+Times the kernel at its wgmma_config tiles (consumers unsplit, rows past the expert read from row 0;
+below 1025 grouped rows the 256-token warp-specialized tile) next to four scratch variants of its
+partitions, made by
 rewriting the module's source (so they always follow the shipped kernel; a rewrite that no longer
 matches raises):
   loads only  - the consumers wait for each slot and free it: the loader partition's own speed;
@@ -149,7 +150,8 @@ def main() -> None:
     for tokens in (int(t) for t in args.tokens.split(",")):
         offs, tok, rows = fc1_rows(tokens, g)
         perm = kg.activation_operand(torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16(), order="wgmma")
-        cfg = {**wg.wgmma_config(rows, 2 * INTER), "split": False}  # the variants rewrite the unsplit consumer
+        cfg = {**wg.wgmma_config(rows, 2 * INTER), "split": False, "mask_rows": False}  # the variants rewrite
+        # the unsplit consumer; rows past the expert read from row 0 (the default zero-fills them: below)
         if not cfg.get("loader_warps"):  # up to 1024 rows the default is the one-partition kernel
             cfg.update(block_t=32, stages=3, chunks=2, loader_warps=4, maxnreg=80, ctas_per_sm=0)
         out = []

@@ -102,20 +102,22 @@ def wgmma_config(rows: int, n: int, out_dtype: torch.dtype = torch.bfloat16) -> 
     227 KB on the H200): fp32 output keeps the 3-slot, 1-chunk ring. Split consumers (session 8: one
     partition per consumer warpgroup, not kept in step by a barrier per k-step): 1805 -> 1644 us at
     131072 rows, 119.5 -> 116.1 us at 2048 rows (32-token tiles; 114.0 with 2 chunks per slot, where
-    the one-partition kernel took ~119), no gain at 32768 rows."""
+    the one-partition kernel took ~119), no gain at 32768 rows. Rows past an expert zero-filled
+    (mask_rows, session 9), not read from row 0: 78.2 -> 69.3 us at 128 rows, 114.0 -> 104.2 at 2048,
+    206.9 -> 184.6 at 8192; with them 64-token split tiles from 3073 rows (4096: 142.2 -> 133.1 us) and
+    128-token split tiles from 16385 (32768: BT64 persistent 548.2 -> 463.1 us); at 131072 rows 1640 ->
+    1570 in one sweep, 1598 -> 1680 in another (noise of a few %)."""
     if rows <= 1024:
         cfg = dict(block_t=16, num_warps=8, stages=3, chunks=1, unroll=1)
-    elif rows <= 4096:
-        cfg = dict(block_t=32, num_warps=8, stages=3, chunks=2, unroll=1, loader_warps=4, maxnreg=80)
-        cfg.update(ctas_per_sm=0, split=True)
-    elif rows <= 65536:
-        cfg = dict(block_t=64, num_warps=8, stages=3, chunks=1, unroll=1, loader_warps=4, maxnreg=80)
-        cfg["ctas_per_sm"] = 0 if rows <= 16384 else 2
+    elif rows <= 3072:
+        cfg = dict(block_t=32, num_warps=8, stages=3, chunks=2, unroll=1, loader_warps=4, maxnreg=80, ctas_per_sm=0)
+    elif rows <= 16384:
+        cfg = dict(block_t=64, num_warps=8, stages=3, chunks=1, unroll=1, loader_warps=4, maxnreg=80, ctas_per_sm=0)
     else:
         cfg = dict(block_t=128, num_warps=8, stages=2, chunks=2, unroll=2, loader_warps=4, maxnreg=168, ctas_per_sm=1)
-        cfg["split"] = True
         if out_dtype.itemsize > 2:
             cfg.update(stages=3, chunks=1, unroll=1)
+    cfg.update(split=rows > 1024, mask_rows=True)
     if n % (ROWS_PER_WARPGROUP * cfg["num_warps"] // 4):  # N a multiple of 64 only: one warpgroup, one partition
         cfg.update(block_t=min(cfg["block_t"], 64), num_warps=4, loader_warps=0, maxnreg=None, ctas_per_sm=0)
         cfg.update(stages=3, chunks=1, unroll=1, split=False)
@@ -571,7 +573,8 @@ def ws_overlap(chunks: int, unroll: int) -> bool:
 def faster_than_triton(rows: int) -> bool:
     """Whether this GEMM beat the Triton GEMM (w4a4_grouped) at this many grouped rows in the H200
     sweeps (2026-12-02, Qwen3-30B-A3B fc1): not at <= 1024 rows (73 / 93 us vs 64 / 91 us at 128 /
-    512 rows), 5-8% faster from 2048 rows up. moe_w4a4's impl='auto' follows it."""
+    512 rows; session 9, rows past an expert zero-filled: 68.4 / 91.7 vs 65.9 / 92.6, a tie), 5-8%
+    faster from 2048 rows up (session 9: 22-31%). moe_w4a4's impl='auto' follows it."""
     return rows > 1024
 
 
@@ -617,7 +620,7 @@ def grouped_w4a4_wgmma(
     loader_warps: int | None = None,
     ctas_per_sm: int | None = None,
     split: bool | None = None,
-    mask_rows: bool = False,
+    mask_rows: bool | None = None,
 ) -> torch.Tensor:
     """y [rows, N] = S_dec_a * S_dec_w[e] * (A @ W_e^T) for the grouped rows of offs (see grouped_w4a4).
 
@@ -634,7 +637,7 @@ def grouped_w4a4_wgmma(
     partitions, each on its own 64 weight rows of every slot, instead of one partition kept in step by
     a barrier per k-step (ws_consumer_regs: their register share); mask_rows: activation rows past an
     expert's rows are zero-filled by the copy instead of read from row 0 (every CTA with a partial tile
-    re-reads that one row; at 256 tokens half of each tile's rows). Off by default: not yet run on a GPU.
+    re-reads that one row; at 256 tokens half of each tile's rows; None: wgmma_config's, on).
 
     Each compiled tile's SASS is checked once (sass_hazards): multi-step runs whose wgmma register
     operand could be rewritten in flight (or whose SASS cannot be read) fall back to 1-step runs,
@@ -658,7 +661,7 @@ def grouped_w4a4_wgmma(
         loader_warps, maxnreg = cfg.get("loader_warps", 0), maxnreg or cfg.get("maxnreg")
         ctas_per_sm = cfg.get("ctas_per_sm", 0) if ctas_per_sm is None else ctas_per_sm
         split = cfg.get("split", False) if split is None and num_warps == cfg["num_warps"] else split
-    split = bool(split)
+    split, mask_rows = bool(split), cfg["mask_rows"] if mask_rows is None else bool(mask_rows)
     if k % (CHUNK * chunks) or (loader_warps and k // (CHUNK * chunks) < 2):  # a 1-step K loop does not lower
         chunks = 1
     overlap = bool(loader_warps) and ws_overlap(chunks, unroll or cfg["unroll"])
@@ -689,7 +692,7 @@ def grouped_w4a4_wgmma(
         n,
         w_sdec.stride(0),
     )
-    consts = dict(K=k, HAS_AROWS=a_rows is not None, BT=block_t, MASK_ROWS=bool(mask_rows))
+    consts = dict(K=k, HAS_AROWS=a_rows is not None, BT=block_t, MASK_ROWS=mask_rows)
     consts.update(STAGES=stages, NW=num_warps, CODES_LAYOUT=_codes_layout(num_warps), num_warps=num_warps)
     if maxnreg:
         consts["maxnreg"] = maxnreg
@@ -698,7 +701,8 @@ def grouped_w4a4_wgmma(
         consts.update(ws_launch_consts(block_t, num_warps, chunks, loader_warps, maxnreg, split))
         tiles_ub = grid[0] * grid[1]  # row tiles are known on the device only: their upper bound
         p = min(tiles_ub, _sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub
-        tile = ("ws", k, a_rows is not None, block_t, stages, num_warps, loader_warps, maxnreg, out_dtype, split)
+        tile = ("ws", k, a_rows is not None, block_t, stages, num_warps, loader_warps, maxnreg, out_dtype)
+        tile += (split, mask_rows)
         _launch_verified(
             lambda risky: _w4a4_wgmma_ws_kernel[(p,)](*args, p, OVERLAP=risky, **consts),
             overlap,
@@ -708,7 +712,7 @@ def grouped_w4a4_wgmma(
         )
         return y
     consts["KC"] = chunks
-    tile = (k, a_rows is not None, block_t, stages, chunks, num_warps, maxnreg, out_dtype, unroll)
+    tile = (k, a_rows is not None, block_t, stages, chunks, num_warps, maxnreg, out_dtype, unroll, mask_rows)
     _launch_verified(
         lambda risky: _w4a4_wgmma_kernel[grid](*args, UNROLL=unroll if risky else 1, **consts),
         unroll > 1,

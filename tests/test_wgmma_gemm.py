@@ -86,14 +86,13 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
     are the warp-specialized kernel; split: its consumer warpgroups as two partitions (two K loops)."""
     sizes = [(128, 1536), (2048, 1536), (8192, 2048), (32768, 1536), (131072, 1536), (131072, 64)]
     configs = [wg.wgmma_config(r, n) for r, n in sizes] + [wg.wgmma_config(131072, 1536, torch.float32)]
-    keys = ("block_t", "num_warps", "stages", "chunks", "unroll", "loader_warps", "maxnreg", "split")  # persistence:
-    tiles = sorted(  # a grid size
+    keys = ("block_t", "num_warps", "stages", "chunks", "unroll", "loader_warps", "maxnreg", "split", "mask_rows")
+    tiles = sorted(  # (persistence: a grid size); the tiles below: rows past the expert read from row 0
         {tuple(int(c.get(key) or 0) for key in keys) for c in configs}
         | {(32, 8, 4, 2, 2, 0, 0, 0), (16, 8, 6, 1, 8, 0, 0, 0), (64, 8, 4, 1, 1, 0, 0, 0), (32, 8, 2, 1, 1, 2, 80, 0)}
         | {(16, 8, 3, 2, 1, 4, 80, 0), (32, 8, 3, 2, 1, 4, 80, 0), (128, 8, 2, 2, 2, 4, 168, 0)}
         | {(32, 8, 4, 1, 1, 4, 80, 1), (128, 8, 2, 2, 2, 4, 168, 1)}
     )
-    tiles += [(32, 8, 3, 2, 1, 4, 80, 1, 1), (16, 8, 3, 1, 1, 0, 0, 0, 1)]  # rows past the expert zero-filled
     assert any(t[5] for t in tiles) and any(not t[5] for t in tiles)
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run(
@@ -340,20 +339,21 @@ def test_split_consumers_launch_one_warpgroup_per_partition(monkeypatch):
     assert split["CODES_LAYOUT"] == wg._codes_layout(4) and whole["CODES_LAYOUT"] == wg._codes_layout(8)
     # 80 registers x 384 threads, less 40 x 128 for the loader: 100 each, the second warpgroup 96
     assert split["CONSUMER_REGS"] == wg.ws_consumer_regs(80, 4, 40) == 96 and split["LOADER_REGS"] == 40
-    assert not split["MASK_ROWS"] and not whole["MASK_ROWS"]  # zero-filled rows only when asked (not yet measured)
+    assert split["MASK_ROWS"] and whole["MASK_ROWS"]  # rows past the expert zero-filled unless asked otherwise
     assert whole["CONSUMER_REGS"] == 0
     assert wg.ws_consumer_regs(None, 4, 96) == 200  # no cap: one CTA per SM (168 registers per thread)
     for bad in (dict(loader_warps=0), dict(num_warps=4, loader_warps=2)):
         with pytest.raises(NVFP4InputError, match="split=True"):
             wg.grouped_w4a4_wgmma(a, s, offs, *w, **{**tile, **bad}, split=True)
-    assert len(fake.launches) == 2
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, **tile, mask_rows=False)
+    assert not fake.consts[2]["MASK_ROWS"] and len(fake.launches) == 3
     # the default tiles at 2048 grouped rows split their consumers; tiles given by the caller do not unless asked
     a, s = torch.zeros(2048, k, dtype=torch.float16), torch.ones(2048)
     offs = torch.tensor([1024, 2048])
     wg.grouped_w4a4_wgmma(a, s, offs, *w)
     wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=32, num_warps=4, stages=3, loader_warps=2)
-    assert [c["SPLIT"] for c in fake.consts[2:]] == [True, False]
-    assert wg.wgmma_config(2048, n)["split"] and fake.consts[2]["num_warps"] == 4
+    assert [c["SPLIT"] for c in fake.consts[3:]] == [True, False]
+    assert wg.wgmma_config(2048, n)["split"] and fake.consts[3]["num_warps"] == 4
 
 
 def test_wgmma_config_uses_the_warp_specialized_kernel_above_1024_rows_persistent_above_16384():
@@ -361,6 +361,8 @@ def test_wgmma_config_uses_the_warp_specialized_kernel_above_1024_rows_persisten
         (128, 1536),
         (1024, 1536),
         (1025, 1536),
+        (3072, 1536),
+        (3073, 1536),
         (4096, 1536),
         (4097, 1536),
         (16384, 1536),
@@ -371,9 +373,12 @@ def test_wgmma_config_uses_the_warp_specialized_kernel_above_1024_rows_persisten
         cfg = wg.wgmma_config(rows, n)
         lw = cfg.get("loader_warps", 0)
         assert (lw > 0) == (rows > 1024 and n % 128 == 0), (rows, cfg)
-        # split consumers (one partition per warpgroup) where they measured faster: 32- and 128-token tiles
-        assert cfg.get("split", False) == (lw > 0 and cfg["block_t"] in (32, 128)), (rows, cfg)
+        # split consumers (one partition per warpgroup) wherever the warp-specialized kernel runs
+        assert cfg["split"] == (lw > 0), (rows, cfg)
+        bt = 16 if rows <= 1024 else 32 if rows <= 3072 else 64 if rows <= 16384 else 128
+        assert cfg["block_t"] == (bt if n % 128 == 0 else min(bt, 64)), (rows, cfg)
         assert (cfg.get("ctas_per_sm", 0) > 0) == (rows > 16384 and n % 128 == 0), (rows, cfg)
+        assert cfg["mask_rows"], (rows, cfg)  # rows past the expert zero-filled at every size
         assert n % (16 * cfg["num_warps"]) == 0 and 32 * lw <= 16 * cfg["num_warps"], (rows, n, cfg)
     # 128-token tiles: 2 chunks per slot with in-slot overlap, but for an fp32 output (its epilogue scratch)
     big, big32 = wg.wgmma_config(131072, 1536), wg.wgmma_config(131072, 1536, torch.float32)
