@@ -109,6 +109,7 @@ VARIANTS = {
             "                acc = hopper.warpgroup_mma_wait(0, deps=[acc])\n",
         ),
     ],
+    "no loads, no decode": [],  # filled in below: both rewrites
     "no MMA": [
         (
             STEP,
@@ -120,6 +121,9 @@ VARIANTS = {
         )
     ],
 }
+
+
+VARIANTS["no loads, no decode"] = VARIANTS["no loads"] + VARIANTS["no decode"]
 
 
 def variant(name: str):
@@ -143,6 +147,7 @@ def variant(name: str):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="256,4096,16384")
+    ap.add_argument("--shipped", action="store_true", help="also at the shipped tiles (split, zero-filled)")
     args = ap.parse_args()
     mods = {"full": wg, **{name: variant(name) for name in VARIANTS}}
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -177,6 +182,18 @@ def main() -> None:
                 )
             )
             out.append(f"{name}, {label} {us:.1f}")
+        shipped = {**wg.wgmma_config(rows, 2 * INTER)}  # as shipped: split consumers, zero-filled rows
+        if shipped.get("loader_warps") and args.shipped:
+            for name in ("loads only", "no loads", "no decode", "no MMA", "no loads, no decode"):
+                try:
+                    us = bench(
+                        lambda mod=mods[name]: mod.grouped_w4a4_wgmma(
+                            perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, **shipped
+                        )
+                    )
+                    out.append(f"{name}, shipped tiles {us:.1f}")
+                except Exception as e:  # a rewrite that does not fit the split consumer
+                    out.append(f"{name}, shipped tiles failed ({type(e).__name__})")
         bt = cfg["block_t"]
         tm = triton.cdiv(rows, bt) + offs.numel()
         out.append(f"tile map alone {bench(lambda bt=bt, tm=tm: kg.tile_map(offs, bt, tm)):.1f}")
