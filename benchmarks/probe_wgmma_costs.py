@@ -1,6 +1,6 @@
 """Device probe: where the warp-specialized Gluon GEMM's time goes (kernels/w4a4_wgmma.py).
 
-python benchmarks/probe_wgmma_costs.py [--tokens 256,4096,16384]
+python benchmarks/probe_wgmma_costs.py [--tokens 256,4096,16384] [--shipped]
 (CUDA GPU; CUDA-graph replay medians; Qwen3-30B-A3B fc1, token-indexed rows as moe_w4a4 runs fc1)
 
 Times the kernel at its wgmma_config tiles (consumers unsplit, rows past the expert read from row 0;
@@ -12,7 +12,10 @@ matches raises):
   no loads    - the loader arms each slot without copying (the consumers compute on stale shared
                 memory): the consumer partition's own speed;
   no decode   - step 0's codes decoded once, those registers fed to every wgmma;
-  no MMA      - the decoded operand summed into the accumulator instead of a wgmma.
+  no MMA      - the decoded operand summed into the accumulator instead of a wgmma;
+  (and "no loads, no decode": the consumers' wgmma, waits and ring alone).
+--shipped: also the variants at the shipped tiles (split consumers, zero-filled rows; the decode and
+MMA rewrites fit only the unsplit consumer and report a compilation error there).
 Also the loads-only variant on contiguous rows (one operand row per grouped row: no token gather), the
 loads-only variant stripped step by step towards benchmarks/probe_load_paths.py (no epilogue; the
 256-token tiles from the program id alone; an exact grid; the load probe's loader registers; its
