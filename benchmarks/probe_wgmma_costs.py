@@ -42,17 +42,19 @@ from quads_megatron.kernels import w4a4_wgmma as wg
 sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.probe_wgmma_tiles import HIDDEN, INTER, bench, fc1_rows, fc1_weights  # noqa: E402
 
-FENCE = """            hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
+FENCE = """        hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
 """
-STEP = """            for ch in gl.static_range(KC):
-                acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT, ROW0)
-                if OVERLAP and ch < KC - 1:
-                    acc = hopper.warpgroup_mma_wait(1, deps=[acc])
-                else:
-                    acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+STEP = """        for ch in gl.static_range(KC):
+            acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT, ROW0)
+            if OVERLAP and ch < KC - 1:
+                acc = hopper.warpgroup_mma_wait(1, deps=[acc])
+            else:
+                acc = hopper.warpgroup_mma_wait(0, deps=[acc])
 """
-TILE_HEAD = """        acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
+TILE_HEAD = """    acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
 """
+LOOP_HEAD = """    for _ in range(K // (128 * KC)):
+"""  # the warp-specialized consumer's K loop head (unique: the one-partition kernel loops over runs)
 A_LAYOUT = "gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)"
 DECODE = """_decode_a(w_smem.index({s}).reshape([BNW, 8, 8]).load(CODES_LAYOUT),
                       s_smem.index({s}).load(gl.SliceLayout(2, CODES_LAYOUT)), BNW, {layout})"""
@@ -64,9 +66,10 @@ COPIES = "".join(  # the loader's three copies of a chunk
         "s_smem.index(buf), (ws_ptr + row0 * (K // 16) + c * 8) + s_off",
     )
 )
-EPILOGUE = """        _store_tile(
-            acc, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, e, t0, n0, row_end, N, wsdec_stride, HAS_AROWS, BT, NW, mma
-        )
+EPILOGUE = """    n0 = (t % n_tiles) * w_smem.shape[1] + ROW0
+    _store_tile(
+        acc, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, e, t0, n0, row_end, N, wsdec_stride, HAS_AROWS, BT, NW, mma
+    )
 """
 LOOKUP = "    return gl.load(tmap_ptr + pid * 4), gl.load(tmap_ptr + pid * 4 + 1), gl.load(tmap_ptr + pid * 4 + 2)\n"
 FIXED = "    return pid % 128, (pid % 128) * 16, (pid % 128) * 16 + 16  # probe: 128 experts x 16 rows, no lookup\n"
@@ -76,13 +79,13 @@ GRID = "_sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub"
 LOADER_REGS = "loader_regs = ws_loader_regs(block_t, loader_warps, chunks)"
 FIXED_TILES = [
     (FENCE + STEP, ""),
-    (EPILOGUE, "        pass\n"),
+    (EPILOGUE, "    pass\n"),
     (LOOKUP, FIXED),
     (BOUND, "128 * n_tiles", 2),  # the tile loops of the loader and the consumers
 ]
 VARIANTS = {
     "loads only": [(FENCE + STEP, "")],
-    "loads only, no epilogue": [(FENCE + STEP, ""), (EPILOGUE, "        pass\n")],
+    "loads only, no epilogue": [(FENCE + STEP, ""), (EPILOGUE, "    pass\n")],
     # the 256-token workload's tiles (128 experts x 16 rows) from pid alone: no tile-map or row-count load
     "loads only, no epilogue, fixed tiles": FIXED_TILES,
     # ... and a grid of exactly those 1536 tiles (the host launches the row-tile bound: 768 more, empty)
@@ -97,29 +100,30 @@ VARIANTS = {
     "no loads": [(COPIES, "                pass\n")],
     "no decode": [
         (
-            TILE_HEAD,
+            TILE_HEAD + LOOP_HEAD,
             TILE_HEAD
-            + "        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)\n"
-            + "        a = "
+            + "    mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)\n"
+            + "    a = "
             + DECODE.format(s="(it % STAGES) * KC", layout=A_LAYOUT)
-            + "\n",
+            + "\n"
+            + LOOP_HEAD,
         ),
         (
             STEP,
-            "            for ch in gl.static_range(KC):\n"
-            "                b = b_smem.index(slot * KC + ch).permute((1, 0))\n"
-            "                acc = hopper.warpgroup_mma(a, b, acc, is_async=True)\n"
-            "                acc = hopper.warpgroup_mma_wait(0, deps=[acc])\n",
+            "        for ch in gl.static_range(KC):\n"
+            "            b = b_smem.index(slot * KC + ch).permute((1, 0))\n"
+            "            acc = hopper.warpgroup_mma(a, b, acc, is_async=True)\n"
+            "            acc = hopper.warpgroup_mma_wait(0, deps=[acc])\n",
         ),
     ],
     "no loads, no decode": [],  # filled in below: both rewrites
     "no MMA": [
         (
             STEP,
-            "            for ch in gl.static_range(KC):\n"
-            "                a = "
+            "        for ch in gl.static_range(KC):\n"
+            "            a = "
             + DECODE.format(s="slot * KC + ch", layout=A_LAYOUT)
-            + "\n                acc += gl.convert_layout(gl.sum(a.to(gl.float32), axis=1),"
+            + "\n            acc += gl.convert_layout(gl.sum(a.to(gl.float32), axis=1),"
             + " gl.SliceLayout(1, mma))[:, None]\n",
         )
     ],

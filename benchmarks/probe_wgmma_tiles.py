@@ -3,7 +3,7 @@ shape, per token count, side by side with the Triton GEMM at its gemm_config def
 FP8 peers; each tile is checked against the Triton GEMM (same exact products, other fp32 order).
 
 python benchmarks/probe_wgmma_tiles.py [--tokens 16,64,256,1024,4096,16384] [--budget-s 300] [--match REGEX]
-    [--mask-rows]
+    [--mask-rows] [--narrow]
 (CUDA GPU; CUDA-graph replay medians; token-indexed rows as moe_w4a4 runs fc1; no RAC)
 """
 
@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--match", default="", help="only the tiles whose name (as printed) this regex finds")
     ap.add_argument("--mask-rows", action="store_true", help="also each tile with rows past the expert zero-filled")
+    ap.add_argument("--narrow", action="store_true", help="also each warp-specialized tile (BT >= 32) with narrow")
     args = ap.parse_args()
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -142,10 +143,15 @@ def main() -> None:
             flush=True,
         )
         res = []
-        runs = [((*t, False)[:9], m) for t in tiles(rows) for m in ((False, True) if args.mask_rows else (False,))]
-        for (bt, nw, st, kc, un, regs, lw, cps, split), masked in runs:
+        runs = [
+            ((*t, False)[:9], m, nr)
+            for t in tiles(rows)
+            for m in ((False, True) if args.mask_rows else (False,))
+            for nr in ((False, True) if args.narrow and t[6] and t[0] >= 32 else (False,))
+        ]
+        for (bt, nw, st, kc, un, regs, lw, cps, split), masked, narrow in runs:
             name = f"BT{bt} w{nw} s{st} c{kc} u{un} r{regs or '-'} ws{lw} p{cps}" + (" split" if split else "")
-            name += " masked rows" if masked else ""
+            name += (" masked rows" if masked else "") + (" narrow" if narrow else "")
             if not re.search(args.match, name):
                 continue
             if time.time() - t0 > args.budget_s:
@@ -162,6 +168,7 @@ def main() -> None:
                 ctas_per_sm=cps,
                 split=bool(split),
                 mask_rows=masked,
+                narrow=narrow,
             )
             try:
                 try:

@@ -183,7 +183,10 @@ def _decode_and_mma(
     c = w_buf.load(CODES_LAYOUT)
     sc = s_buf.load(gl.SliceLayout(2, CODES_LAYOUT))
     a = _decode_a(c, sc, BNW, a_layout)
-    return hopper.warpgroup_mma(a, b_smem.index(buf).permute((1, 0)), acc, is_async=True)
+    b = b_smem.index(buf)
+    if acc.shape[1] != b_smem.shape[1]:  # a narrow tile: the slot's first rows (whole 8-row swizzle atoms)
+        b = b.slice(0, acc.shape[1])
+    return hopper.warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
 
 
 @gluon.jit
@@ -401,6 +404,63 @@ def _ws_loader(
 
 
 @gluon.jit
+def _ws_tile(
+    b_smem,
+    w_smem,
+    s_smem,
+    ready,
+    empty,
+    it,
+    t,
+    n_tiles,
+    e,
+    t0,
+    row_end,
+    arows_ptr,
+    asdec_ptr,
+    wsdec_ptr,
+    y_ptr,
+    N,
+    wsdec_stride,
+    K: gl.constexpr,
+    HAS_AROWS: gl.constexpr,
+    BT: gl.constexpr,
+    NW: gl.constexpr,
+    CODES_LAYOUT: gl.constexpr,
+    OVERLAP: gl.constexpr,
+    ROW0: gl.constexpr,
+):
+    """One tile of a consumer partition, from ring k-step `it` on: per k-step wait for its slot; per
+    128-K chunk decode the codes into wgmma's register operand, wgmma against the slot's first BT
+    activation rows and retire it (wait(0)), or with OVERLAP leave it in flight under the next chunk's
+    decode inside the slot (wait(1); the slot's last chunk retires all: nothing in flight across the
+    back edge); free the slot. Then the tile's epilogue: y rows t0 .. t0 + BT, the 64 * NW / 4 columns of
+    this partition in N tile t % n_tiles. Returns the ring's next k-step."""
+    BNW: gl.constexpr = 64 * (NW // 4)
+    STAGES: gl.constexpr = ready.shape[0]
+    KC: gl.constexpr = b_smem.shape[0] // STAGES
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16])
+    acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
+    for _ in range(K // (128 * KC)):
+        slot = it % STAGES
+        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
+        for ch in gl.static_range(KC):
+            acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT, ROW0)
+            if OVERLAP and ch < KC - 1:
+                acc = hopper.warpgroup_mma_wait(1, deps=[acc])
+            else:
+                acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index(slot), count=1)
+        it += 1
+    n0 = (t % n_tiles) * w_smem.shape[1] + ROW0
+    _store_tile(
+        acc, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, e, t0, n0, row_end, N, wsdec_stride, HAS_AROWS, BT, NW, mma
+    )
+    return it
+
+
+@gluon.jit
 def _ws_consumer(
     b_smem,
     w_smem,
@@ -422,41 +482,33 @@ def _ws_consumer(
     CODES_LAYOUT: gl.constexpr,
     OVERLAP: gl.constexpr,
     ROW0: gl.constexpr,
+    NARROW: gl.constexpr,
 ):
     """Consumer partition (NW warps, 64 weight rows per warpgroup, from the slot's row ROW0: split
-    consumers are one partition per warpgroup): for each of this CTA's tiles, per
-    k-step wait for its slot; per 128-K chunk decode the codes into wgmma's register operand, wgmma
-    against the activation rows and retire it (wait(0)), or with OVERLAP leave it in flight under the
-    next chunk's decode inside the slot (wait(1); the slot's last chunk retires all: nothing in flight
-    across the back edge). OVERLAP needs registers for two decoded chunks: at the 104 consumer registers
-    of a two-CTAs-per-SM launch ptxas serializes every wgmma instead (128 sufficed at BT32, 176 at BT64,
-    240 at BT128; sass_wgmma.py). Free the slot; then the tile's epilogue."""
-    BNW: gl.constexpr = 64 * (NW // 4)
-    BNWC: gl.constexpr = w_smem.shape[1]  # the CTA's weight rows (all consumer partitions)
-    STAGES: gl.constexpr = ready.shape[0]
-    KC: gl.constexpr = b_smem.shape[0] // STAGES
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16])
-    n_tiles = N // BNWC
+    consumers are one partition per warpgroup): each of this CTA's tiles by _ws_tile. NARROW: a tile
+    whose expert has at most BT / 2 rows left runs half-width wgmmas (the slot's first BT / 2 activation
+    rows; the rest are padding) and a half-width epilogue. OVERLAP needs registers for two decoded
+    chunks: at the 104 consumer registers of a two-CTAs-per-SM launch ptxas serializes every wgmma
+    instead (128 sufficed at BT32, 176 at BT64, 240 at BT128; sass_wgmma.py)."""
+    n_tiles = N // w_smem.shape[1]  # N tiles of the CTA's weight rows (all consumer partitions)
     it = 0  # k-steps consumed by this CTA so far
     for t in range(gl.program_id(0), gl.load(tmap_ptr + 3) * n_tiles, P):
-        e, t0, row_end = _tile_coords(tmap_ptr, t // n_tiles)  # for the epilogue; loaded under the K loop
-        acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
-        for _ in range(K // (128 * KC)):
-            slot = it % STAGES
-            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-            hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
-            for ch in gl.static_range(KC):
-                acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT, ROW0)
-                if OVERLAP and ch < KC - 1:
-                    acc = hopper.warpgroup_mma_wait(1, deps=[acc])
-                else:
-                    acc = hopper.warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(empty.index(slot), count=1)
-            it += 1
-        n0 = (t % n_tiles) * BNWC + ROW0
-        _store_tile(
-            acc, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, e, t0, n0, row_end, N, wsdec_stride, HAS_AROWS, BT, NW, mma
-        )
+        e, t0, row_end = _tile_coords(tmap_ptr, t // n_tiles)
+        # fmt: off
+        if NARROW:
+            if row_end - t0 <= BT // 2:
+                it = _ws_tile(b_smem, w_smem, s_smem, ready, empty, it, t, n_tiles, e, t0, row_end, arows_ptr,
+                              asdec_ptr, wsdec_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT // 2, NW,
+                              CODES_LAYOUT, OVERLAP, ROW0)
+            else:
+                it = _ws_tile(b_smem, w_smem, s_smem, ready, empty, it, t, n_tiles, e, t0, row_end, arows_ptr,
+                              asdec_ptr, wsdec_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT, NW,
+                              CODES_LAYOUT, OVERLAP, ROW0)
+        else:
+            it = _ws_tile(b_smem, w_smem, s_smem, ready, empty, it, t, n_tiles, e, t0, row_end, arows_ptr,
+                          asdec_ptr, wsdec_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT, NW,
+                          CODES_LAYOUT, OVERLAP, ROW0)
+        # fmt: on
 
 
 @gluon.jit
@@ -486,13 +538,15 @@ def _w4a4_wgmma_ws_kernel(
     SPLIT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     MASK_ROWS: gl.constexpr,
+    NARROW: gl.constexpr,
 ):
     """Warp-specialized variant of _w4a4_wgmma_kernel (KC 128-K chunks per ring slot, 1-step runs): LW
     loader warps fill the ring by cp.async and per-slot mbarriers, the NW consumer warps only decode and
     issue wgmma; no CTA-wide barrier. Triton puts a partition-wide barrier before every mbarrier wait,
     so one consumer partition's warpgroups move in step; SPLIT (NW == 8) makes each warpgroup its own
     partition (CONSUMER_REGS: the second one's registers), which then runs ahead of the other as far
-    as the ring allows. MASK_ROWS: activation rows past the expert are zero-filled, not read. Tiles (row
+    as the ring allows. MASK_ROWS: activation rows past the expert are zero-filled, not read. NARROW:
+    tiles with at most BT / 2 rows left run half-width wgmmas (see _ws_consumer). Tiles (row
     tile, N tile; N fastest) t = program_id, program_id + P, ...: P = the grid, one tile per CTA when it
     covers them all, else persistent CTAs whose ring runs on from one tile into the next."""
     BNW: gl.constexpr = 64 * (NW // 4)
@@ -506,9 +560,9 @@ def _w4a4_wgmma_ws_kernel(
         gl.warp_specialize(
             [
                 (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr,
-                                y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 0)),
+                                y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 0, NARROW)),
                 (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr,
-                                y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 64)),
+                                y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 64, NARROW)),
                 (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, ready, empty, N, P,
                               K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS)),
             ],
@@ -519,7 +573,7 @@ def _w4a4_wgmma_ws_kernel(
         gl.warp_specialize(  # (argument tuples inline: a tuple variable would turn the constexprs into tensors)
             [
                 (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr,
-                                y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, NW, CODES_LAYOUT, OVERLAP, 0)),
+                                y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, NW, CODES_LAYOUT, OVERLAP, 0, NARROW)),
                 (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, ready, empty, N, P,
                               K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS)),
             ],
@@ -621,6 +675,7 @@ def grouped_w4a4_wgmma(
     ctas_per_sm: int | None = None,
     split: bool | None = None,
     mask_rows: bool | None = None,
+    narrow: bool = False,
 ) -> torch.Tensor:
     """y [rows, N] = S_dec_a * S_dec_w[e] * (A @ W_e^T) for the grouped rows of offs (see grouped_w4a4).
 
@@ -637,7 +692,9 @@ def grouped_w4a4_wgmma(
     partitions, each on its own 64 weight rows of every slot, instead of one partition kept in step by
     a barrier per k-step (ws_consumer_regs: their register share); mask_rows: activation rows past an
     expert's rows are zero-filled by the copy instead of read from row 0 (every CTA with a partial tile
-    re-reads that one row; at 256 tokens half of each tile's rows; None: wgmma_config's, on).
+    re-reads that one row; at 256 tokens half of each tile's rows; None: wgmma_config's, on); narrow
+    (warp-specialized kernel, block_t >= 32): a tile whose expert has at most block_t / 2 rows left runs
+    half-width wgmmas and epilogue (at 256 tokens about half the tiles; opt-in: not yet run on a GPU).
 
     Each compiled tile's SASS is checked once (sass_hazards): multi-step runs whose wgmma register
     operand could be rewritten in flight (or whose SASS cannot be read) fall back to 1-step runs,
@@ -670,12 +727,13 @@ def grouped_w4a4_wgmma(
     bad_warps = num_warps not in ((4, 8, 16) if loader_warps else (4, 8)) or n % (ROWS_PER_WARPGROUP * num_warps // 4)
     bad_loader = loader_warps not in (0, 1, 2, 4) or 32 * loader_warps > ROWS_PER_WARPGROUP * num_warps // 4
     bad_split = split and (not loader_warps or num_warps != 8)
-    if bad_warps or stages < min_stages or chunks not in (1, 2) or bad_loader or bad_split:
+    bad_narrow = narrow and (not loader_warps or block_t < 32)
+    if bad_warps or stages < min_stages or chunks not in (1, 2) or bad_loader or bad_split or bad_narrow:
         raise NVFP4InputError(
             f"bad tiles: num_warps={num_warps} (4 or 8, 16 with loader warps; N % (16 * warps) == 0), stages={stages} "
             f"(>= {min_stages} with {unroll}-step runs), chunks={chunks} (1 or 2), loader_warps="
             f"{loader_warps} (0, 1, 2 or 4, at most one per 32 weight rows of a CTA), split={split} (with "
-            "loader warps and num_warps 8 only)"
+            f"loader warps and num_warps 8 only), narrow={narrow} (with loader warps and block_t >= 32 only)"
         )
     dev = w_codes.device
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
@@ -697,12 +755,12 @@ def grouped_w4a4_wgmma(
     if maxnreg:
         consts["maxnreg"] = maxnreg
     if loader_warps:
-        consts.update(KC=chunks, A_I64=values.shape[0] * k >= 2**31)
+        consts.update(KC=chunks, A_I64=values.shape[0] * k >= 2**31, NARROW=bool(narrow))
         consts.update(ws_launch_consts(block_t, num_warps, chunks, loader_warps, maxnreg, split))
         tiles_ub = grid[0] * grid[1]  # row tiles are known on the device only: their upper bound
         p = min(tiles_ub, _sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub
         tile = ("ws", k, a_rows is not None, block_t, stages, num_warps, loader_warps, maxnreg, out_dtype)
-        tile += (split, mask_rows)
+        tile += (split, mask_rows, bool(narrow))
         _launch_verified(
             lambda risky: _w4a4_wgmma_ws_kernel[(p,)](*args, p, OVERLAP=risky, **consts),
             overlap,

@@ -231,11 +231,15 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
             (32, 8, 3, 2, 1, 80, 4, 0, True, True),  # ... rows past the expert zero-filled, not read
             (128, 8, 2, 2, 2, 168, 4, 1, True, True),
             (16, 8, 3, 1, 1, None, 0, 0, False, True),
+            (32, 8, 3, 2, 1, 80, 4, 0, True, True, True),  # ... tiles with <= BT / 2 rows left: half-width wgmma
+            (32, 8, 3, 2, 1, 80, 4, 2, True, False, True),
+            (64, 8, 3, 1, 1, 80, 4, 0, False, True, True),
+            (128, 8, 2, 2, 2, 168, 4, 1, True, True, True),
         ]:  # unroll: k-steps per straight-line run (each decode but the run's first overlaps a wgmma); unroll 1
             # with 2 stages: the ring refills the slot of the step just retired
             kw = dict(block_t=bt, num_warps=nw, stages=st, chunks=kc, unroll=un, maxnreg=regs, loader_warps=lw)
-            split, mask_rows = (list(flags) + [False, False])[:2]
-            kw.update(ctas_per_sm=cps, split=split, mask_rows=mask_rows)
+            split, mask_rows, narrow = (list(flags) + [False] * 3)[:3]
+            kw.update(ctas_per_sm=cps, split=split, mask_rows=mask_rows, narrow=narrow)
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a register-hazard fallback would warn
                 got = wg.grouped_w4a4_wgmma(a, s_dec, offs, *w, torch.float32, a_rows, **kw)

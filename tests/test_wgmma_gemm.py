@@ -93,6 +93,7 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
         | {(16, 8, 3, 2, 1, 4, 80, 0), (32, 8, 3, 2, 1, 4, 80, 0), (128, 8, 2, 2, 2, 4, 168, 0)}
         | {(32, 8, 4, 1, 1, 4, 80, 1), (128, 8, 2, 2, 2, 4, 168, 1)}
     )
+    tiles += [(32, 8, 3, 2, 1, 4, 80, 1, 1, 1), (64, 8, 3, 1, 1, 4, 80, 0, 1, 1)]  # narrow: half-width tiles too
     assert any(t[5] for t in tiles) and any(not t[5] for t in tiles)
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run(
@@ -106,18 +107,20 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
     reports = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(reports) == len(tiles)
     assert any(t[5] and t[3] == 2 and t[4] > 1 for t in tiles)  # a warp-specialized tile with in-slot overlap
-    for (bt, nw, _, kc, un, lw, _, split, *_), r in zip(tiles, reports, strict=True):
+    for (bt, nw, _, kc, un, lw, _, split, *rest), r in zip(tiles, reports, strict=True):
         overlap, un = (kc == 2 and un > 1, 1) if lw else (False, un)  # warp-specialized kernel: 1-step runs
-        assert r["hgmma_shape"] == [f"64x{bt}x16"], r
+        widths = [bt // 2, bt] if rest[1:2] == [1] else [bt]  # narrow: a K loop of each width
+        assert r["hgmma_shape"] == sorted(f"64x{w}x16" for w in widths), r
         # 8 wgmma per 128-K chunk, A from registers (a shared-memory A would be a second descriptor)
-        mmas = 8 * kc * un * (2 if split else 1)
+        mmas = 8 * kc * un * (2 if split else 1) * len(widths)
         assert len(r["hgmma_a_operands"]) == mmas and all(a.startswith("R") for a in r["hgmma_a_operands"]), r
         # one-partition kernel: within a run each decode overlaps the previous chunk's wgmma, the run's last
         # chunk retires all; warp-specialized: each chunk's wgmma retired before the next decode. Either way
         # one wait per chunk (ptxas serializing the wgmmas would put one after each of the 8); with in-slot
         # overlap the slot's first chunk stays in flight under the second one's decode
         want = ["0x1", "0x0"] if overlap else ["0x0"] * kc if lw else ["0x1"] * (kc * un - 1) + ["0x0"]
-        assert (r["wgmma_waits"] if lw else r["wgmma_waits"][: kc * un]) == want * (2 if split else 1), r
+        copies = (2 if split else 1) * len(widths)
+        assert (r["wgmma_waits"] if lw else r["wgmma_waits"][: kc * un]) == want * copies, r
         # ... and no register an in-flight wgmma reads or accumulates into is rewritten on any path
         assert r["register_hazards"] == [], r
         # no local memory, but for the loader's register handoff in the warp-specialized kernel (a few
@@ -354,6 +357,25 @@ def test_split_consumers_launch_one_warpgroup_per_partition(monkeypatch):
     wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=32, num_warps=4, stages=3, loader_warps=2)
     assert [c["SPLIT"] for c in fake.consts[3:]] == [True, False]
     assert wg.wgmma_config(2048, n)["split"] and fake.consts[3]["num_warps"] == 4
+
+
+def test_narrow_tiles_are_opt_in_and_need_loader_warps_and_32_token_tiles(monkeypatch):
+    """narrow: the warp-specialized kernel (faked: no GPU) gets NARROW only when asked (the default tiles
+    do not take it: not yet run on a GPU); the one-partition kernel and 16-token tiles refuse it."""
+    fake = _FakeGluonLaunch_NoGPU({1: CLEAN})
+    monkeypatch.setattr(wg, "_w4a4_wgmma_ws_kernel", fake)
+    monkeypatch.setattr(wg, "usable", lambda device, n, k: True)
+    monkeypatch.setattr(wg, "_SASS_CHECKED", {})
+    e, n, k = 2, 128, 512
+    w = (torch.zeros(e, n, k // 2, dtype=torch.uint8), torch.zeros(e, n, k // 16, dtype=torch.uint8), torch.ones(e))
+    a, s, offs = torch.zeros(2048, k, dtype=torch.float16), torch.ones(2048), torch.tensor([1024, 2048])
+    wg.grouped_w4a4_wgmma(a, s, offs, *w)
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, narrow=True)
+    assert [c["NARROW"] for c in fake.consts] == [False, True] and fake.consts[1]["BT"] == 32
+    for bad in (dict(loader_warps=0), dict(block_t=16, num_warps=8, stages=3, loader_warps=4)):
+        with pytest.raises(NVFP4InputError, match="narrow=True"):
+            wg.grouped_w4a4_wgmma(a, s, offs, *w, **bad, narrow=True)
+    assert len(fake.launches) == 2
 
 
 def test_wgmma_config_uses_the_warp_specialized_kernel_above_1024_rows_persistent_above_16384():
