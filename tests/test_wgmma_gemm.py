@@ -323,16 +323,22 @@ def test_warp_specialized_overlap_falls_back_to_retiring_each_chunk_and_remember
     assert fake.launches == ["ws2"]
 
 
-def test_split_consumers_launch_one_warpgroup_per_partition(monkeypatch):
-    """split: the warp-specialized kernel (faked: no GPU) is launched with the first consumer warpgroup's
-    4 warps, 4-warp code layouts and the second warpgroup's register share of the launch's cap; only with
-    loader warps and 8 consumer warps."""
+def _fake_ws_launch(monkeypatch) -> tuple:
+    """The warp-specialized kernel faked (no GPU; clean SASS), and zero weights [2, 128, 512 / 2] for it."""
     fake = _FakeGluonLaunch_NoGPU({1: CLEAN})
     monkeypatch.setattr(wg, "_w4a4_wgmma_ws_kernel", fake)
     monkeypatch.setattr(wg, "usable", lambda device, n, k: True)
     monkeypatch.setattr(wg, "_SASS_CHECKED", {})
     e, n, k = 2, 128, 512
     w = (torch.zeros(e, n, k // 2, dtype=torch.uint8), torch.zeros(e, n, k // 16, dtype=torch.uint8), torch.ones(e))
+    return fake, w, n, k
+
+
+def test_split_consumers_launch_one_warpgroup_per_partition(monkeypatch):
+    """split: the warp-specialized kernel (faked: no GPU) is launched with the first consumer warpgroup's
+    4 warps, 4-warp code layouts and the second warpgroup's register share of the launch's cap; only with
+    loader warps and 8 consumer warps."""
+    fake, w, n, k = _fake_ws_launch(monkeypatch)
     a, s, offs = torch.zeros(5, k, dtype=torch.float16), torch.ones(5), torch.tensor([2, 5])
     tile = dict(block_t=32, num_warps=8, stages=3, loader_warps=4, maxnreg=80)
     wg.grouped_w4a4_wgmma(a, s, offs, *w, **tile, split=True)
@@ -362,12 +368,7 @@ def test_split_consumers_launch_one_warpgroup_per_partition(monkeypatch):
 def test_narrow_tiles_are_opt_in_and_need_loader_warps_and_32_token_tiles(monkeypatch):
     """narrow: the warp-specialized kernel (faked: no GPU) gets NARROW only when asked (the default tiles
     do not take it: not yet run on a GPU); the one-partition kernel and 16-token tiles refuse it."""
-    fake = _FakeGluonLaunch_NoGPU({1: CLEAN})
-    monkeypatch.setattr(wg, "_w4a4_wgmma_ws_kernel", fake)
-    monkeypatch.setattr(wg, "usable", lambda device, n, k: True)
-    monkeypatch.setattr(wg, "_SASS_CHECKED", {})
-    e, n, k = 2, 128, 512
-    w = (torch.zeros(e, n, k // 2, dtype=torch.uint8), torch.zeros(e, n, k // 16, dtype=torch.uint8), torch.ones(e))
+    fake, w, n, k = _fake_ws_launch(monkeypatch)
     a, s, offs = torch.zeros(2048, k, dtype=torch.float16), torch.ones(2048), torch.tensor([1024, 2048])
     wg.grouped_w4a4_wgmma(a, s, offs, *w)
     wg.grouped_w4a4_wgmma(a, s, offs, *w, narrow=True)
