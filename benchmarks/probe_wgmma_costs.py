@@ -162,8 +162,9 @@ def main() -> None:
     for tokens in (int(t) for t in args.tokens.split(",")):
         offs, tok, rows = fc1_rows(tokens, g)
         perm = kg.activation_operand(torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16(), order="wgmma")
-        cfg = {**wg.wgmma_config(rows, 2 * INTER), "split": False, "mask_rows": False}  # the variants rewrite
-        # the unsplit consumer; rows past the expert read from row 0 (the default zero-fills them: below)
+        shipped = wg.wgmma_config(rows, 2 * INTER)  # as shipped: split consumers, zero-filled rows
+        cfg = {**shipped, "split": False, "mask_rows": False}  # the variants rewrite the unsplit consumer;
+        # rows past the expert read from row 0 (the default zero-fills them: below)
         if not cfg.get("loader_warps"):  # up to 1024 rows the default is the one-partition kernel
             cfg.update(block_t=32, stages=3, chunks=2, loader_warps=4, maxnreg=80, ctas_per_sm=0)
         out = []
@@ -189,7 +190,6 @@ def main() -> None:
                 )
             )
             out.append(f"{name}, {label} {us:.1f}")
-        shipped = {**wg.wgmma_config(rows, 2 * INTER)}  # as shipped: split consumers, zero-filled rows
         if shipped.get("loader_warps") and args.shipped:
             for name in ("loads only", "no loads", "no decode", "no MMA", "no loads, no decode"):
                 try:

@@ -495,15 +495,10 @@ def _ws_consumer(
     for t in range(gl.program_id(0), gl.load(tmap_ptr + 3) * n_tiles, P):
         e, t0, row_end = _tile_coords(tmap_ptr, t // n_tiles)
         # fmt: off
-        if NARROW:
-            if row_end - t0 <= BT // 2:
-                it = _ws_tile(b_smem, w_smem, s_smem, ready, empty, it, t, n_tiles, e, t0, row_end, arows_ptr,
-                              asdec_ptr, wsdec_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT // 2, NW,
-                              CODES_LAYOUT, OVERLAP, ROW0)
-            else:
-                it = _ws_tile(b_smem, w_smem, s_smem, ready, empty, it, t, n_tiles, e, t0, row_end, arows_ptr,
-                              asdec_ptr, wsdec_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT, NW,
-                              CODES_LAYOUT, OVERLAP, ROW0)
+        if NARROW and row_end - t0 <= BT // 2:  # (NARROW False: no branch, the wide tile alone)
+            it = _ws_tile(b_smem, w_smem, s_smem, ready, empty, it, t, n_tiles, e, t0, row_end, arows_ptr,
+                          asdec_ptr, wsdec_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT // 2, NW,
+                          CODES_LAYOUT, OVERLAP, ROW0)
         else:
             it = _ws_tile(b_smem, w_smem, s_smem, ready, empty, it, t, n_tiles, e, t0, row_end, arows_ptr,
                           asdec_ptr, wsdec_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT, NW,
