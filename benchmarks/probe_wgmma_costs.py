@@ -3,18 +3,17 @@
 python benchmarks/probe_wgmma_costs.py [--tokens 256,4096,16384] [--shipped]
 (CUDA GPU; CUDA-graph replay medians; Qwen3-30B-A3B fc1, token-indexed rows as moe_w4a4 runs fc1)
 
-Times the kernel at its wgmma_config tiles (consumers unsplit, rows past the expert read from row 0;
-below 1025 grouped rows the 256-token warp-specialized tile) next to four scratch variants of its
-partitions, made by
-rewriting the module's source (so they always follow the shipped kernel; a rewrite that no longer
-matches raises):
+Times the kernel at its wgmma_config tiles (consumers unsplit, rows past the expert read from row 0,
+no narrow tiles; below 1025 grouped rows the 256-token warp-specialized tile) next to four scratch
+variants of its partitions, made by rewriting the module's source (so they always follow the shipped
+kernel; a rewrite that no longer matches raises):
   loads only  - the consumers wait for each slot and free it: the loader partition's own speed;
   no loads    - the loader arms each slot without copying (the consumers compute on stale shared
                 memory): the consumer partition's own speed;
   no decode   - step 0's codes decoded once, those registers fed to every wgmma;
   no MMA      - the decoded operand summed into the accumulator instead of a wgmma;
   (and "no loads, no decode": the consumers' wgmma, waits and ring alone).
---shipped: also the variants at the shipped tiles (split consumers, zero-filled rows; the decode and
+--shipped: also the variants at the shipped tiles (split consumers, zero-filled rows, narrow; the decode and
 MMA rewrites fit only the unsplit consumer and report a compilation error there).
 Also the loads-only variant on contiguous rows (one operand row per grouped row: no token gather), the
 loads-only variant stripped step by step towards benchmarks/probe_load_paths.py (no epilogue; the
@@ -163,8 +162,8 @@ def main() -> None:
         offs, tok, rows = fc1_rows(tokens, g)
         perm = kg.activation_operand(torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16(), order="wgmma")
         shipped = wg.wgmma_config(rows, 2 * INTER)  # as shipped: split consumers, zero-filled rows
-        cfg = {**shipped, "split": False, "mask_rows": False}  # the variants rewrite the unsplit consumer;
-        # rows past the expert read from row 0 (the default zero-fills them: below)
+        cfg = {**shipped, "split": False, "mask_rows": False, "narrow": False}  # the variants rewrite the
+        # unsplit consumer; rows past the expert read from row 0 (the default zero-fills them: below); full tiles
         if not cfg.get("loader_warps"):  # up to 1024 rows the default is the one-partition kernel
             cfg.update(block_t=32, stages=3, chunks=2, loader_warps=4, maxnreg=80, ctas_per_sm=0)
         out = []

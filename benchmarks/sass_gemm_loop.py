@@ -18,6 +18,7 @@ import tempfile
 
 import triton
 from quads_megatron.kernels import w4a4_grouped as kg
+from quads_megatron.kernels.sass_hazards import disassemble
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -58,9 +59,9 @@ def loop_stats(bm: int, bn: int, bk: int, warps: int, stages: int, k: int = 2048
         attrs={(i,): [["tt.divisibility", 16]] for i in range(12)},
     )
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-    sass = compiled.asm["sass"]
-    body = re.search(r"^LBB0:\n(.*?)BRA LBB0", sass, re.S | re.M)
-    lines = [ln for ln in (body.group(1) if body else "").splitlines() if ln.strip()]
+    sass = disassemble(compiled.asm["cubin"])  # whole (Triton's dump stops at 64 KB)
+    body = re.search(r"^(L[0-9a-f]+):\n(.*?)BRA \1;", sass, re.S | re.M)  # the first loop: a label branched back to
+    lines = [ln for ln in (body.group(2) if body else "").splitlines() if ln.strip()]
     if dump:
         os.makedirs(dump, exist_ok=True)
         for key in ("ttgir", "sass"):

@@ -55,7 +55,7 @@ def report(
 ) -> dict:
     import triton
     from quads_megatron.kernels import w4a4_wgmma as wg
-    from quads_megatron.kernels.sass_hazards import wgmma_register_hazards
+    from quads_megatron.kernels.sass_hazards import disassemble, wgmma_register_hazards
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -82,7 +82,7 @@ def report(
         target=GPUTarget("cuda", 90, 32),
         options=dict(num_warps=launch_warps, **({"maxnreg": maxnreg} if maxnreg else {})),
     )
-    sass = compiled.asm["sass"]
+    sass = disassemble(compiled.asm["cubin"])  # whole (Triton's dump stops at 64 KB)
     if dump:
         os.makedirs(dump, exist_ok=True)
         name = f"wgmma_{block_t}_{num_warps}_{stages}_{chunks}_{unroll}_{loader_warps}" + ("_split" if split else "")

@@ -8,11 +8,18 @@ its wait in the next) it was seen to reuse them (corrupted tiles on the H200, Tr
 every path from each HGMMA to the wait that retires its group and reports any other instruction that
 writes one of its registers. The Gluon GEMM runs it on each kernel it compiles (w4a4_wgmma) and the CPU
 tests on the tiles it ships.
+
+disassemble reads a whole cubin: Triton's own SASS dump (``asm["sass"]``) stops at the first instruction
+past 64 KB of code (its parser expects 4-digit offsets), which left a large kernel's later partitions
+unchecked.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import tempfile
 
 # opcodes without a register destination in the first operand slot
 _NO_DEST = {
@@ -23,6 +30,61 @@ _GUARD = re.compile(r"^@!?U?P[T\d]+\s+")
 _HGMMA = re.compile(r"HGMMA\.64x(\d+)x\d+\.\S+ R(\d+), (R(\d+)|gdesc)")
 _WAIT = re.compile(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d+)")
 _BRANCH = re.compile(r"^(@!?P[T\d]+\s+)?BRA (\w+)")
+
+
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;\s*/\* 0x([0-9a-f]{16}) \*/\s*$")
+_SECOND_WORD = re.compile(r"^\s*/\* 0x([0-9a-f]{16}) \*/\s*$")
+_BRA_TARGET = re.compile(r"^(.*\bBRA\b.*?)(0x[0-9a-f]+)$")
+
+
+def _control(word: int) -> str:
+    """Control bits of an sm_70+ instruction (its second 64-bit word) as wait:read:write:yield:stall,
+    the form Triton's dump prints ("-": no barrier; "Y": yield)."""
+    stall, no_yield = (word >> 41) & 0xF, (word >> 45) & 1
+    write, read, wait = (word >> 46) & 7, (word >> 49) & 7, (word >> 52) & 0x3F
+    bar = lambda b: "-" if b == 7 else str(b)  # noqa: E731
+    return f"{'--' if wait == 0 else f'{wait:02d}'}:{bar(read)}:{bar(write)}:{'-' if no_yield else 'Y'}:{stall:x}"
+
+
+def parse_cuobjdump(text: str) -> str:
+    """``cuobjdump -sass`` output of one kernel -> "control<TAB>instruction;" lines, branch targets as
+    labels (``L<hex offset>:``), every instruction whatever its offset's width. RuntimeError when no
+    instruction is found or an instruction lacks its second word."""
+    lines = text.splitlines()
+    code = []  # (offset, instruction, control)
+    for i, line in enumerate(lines):
+        m = _INSTRUCTION.match(line)
+        if m is None:
+            continue
+        second = _SECOND_WORD.match(lines[i + 1]) if i + 1 < len(lines) else None
+        if second is None:
+            raise RuntimeError(f"cuobjdump output: no second word after {line.strip()!r}")
+        code.append((int(m.group(1), 16), m.group(2).strip(), _control(int(second.group(1), 16))))
+    if not code:
+        raise RuntimeError("cuobjdump output has no SASS instructions")
+    targets = {int(b.group(2), 16) for _, ins, _ in code if (b := _BRA_TARGET.match(ins))}
+    out = []
+    for offset, ins, ctrl in code:
+        if offset in targets:
+            out.append(f"L{offset:x}:")
+        b = _BRA_TARGET.match(ins)
+        out.append(f"{ctrl}\t{b.group(1)}L{int(b.group(2), 16):x};" if b else f"{ctrl}\t{ins};")
+    return "\n".join(out) + "\n"
+
+
+def disassemble(cubin: bytes) -> str:
+    """A compiled kernel's cubin -> its whole SASS (parse_cuobjdump), by the cuobjdump Triton bundles.
+    OSError / CalledProcessError where that cannot run, RuntimeError where its output has no code."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        text = subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "-sass", path], capture_output=True, text=True, check=True
+        ).stdout
+    return parse_cuobjdump(text)
 
 
 def _program(sass: str) -> list[tuple[str, str]]:

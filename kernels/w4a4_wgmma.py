@@ -35,7 +35,7 @@ import warnings
 
 import torch
 import triton
-from quads_megatron.kernels.sass_hazards import wgmma_register_hazards
+from quads_megatron.kernels.sass_hazards import disassemble, wgmma_register_hazards
 from quads_megatron.kernels.w4a4_grouped import (
     WGMMA_CHUNK,
     _nibble_ptx,
@@ -106,7 +106,10 @@ def wgmma_config(rows: int, n: int, out_dtype: torch.dtype = torch.bfloat16) -> 
     (mask_rows, session 9), not read from row 0: 78.2 -> 69.3 us at 128 rows, 114.0 -> 104.2 at 2048,
     206.9 -> 184.6 at 8192; with them 64-token split tiles from 3073 rows (4096: 142.2 -> 133.1 us) and
     128-token split tiles from 16385 (32768: BT64 persistent 548.2 -> 463.1 us); at 131072 rows 1640 ->
-    1570 in one sweep, 1598 -> 1680 in another (noise of a few %)."""
+    1570 in one sweep, 1598 -> 1680 in another (noise of a few %). Narrow tiles (session 10: a tile whose
+    expert has at most BT/2 rows left runs half-width wgmmas) with every warp-specialized tile, bit-identical:
+    104.0 -> 101.5 us at 2048 rows, 131.3 -> 125.3 at 4096, 183.0 -> 178.9 at 8192, 300.8 -> 296.1 at
+    16384, 463.8 -> 453.4 at 32768, 1606 -> 1558 at 131072 (its 3-slot 1-chunk tile: 1622 -> 1650)."""
     if rows <= 1024:
         cfg = dict(block_t=16, num_warps=8, stages=3, chunks=1, unroll=1)
     elif rows <= 3072:
@@ -117,10 +120,10 @@ def wgmma_config(rows: int, n: int, out_dtype: torch.dtype = torch.bfloat16) -> 
         cfg = dict(block_t=128, num_warps=8, stages=2, chunks=2, unroll=2, loader_warps=4, maxnreg=168, ctas_per_sm=1)
         if out_dtype.itemsize > 2:
             cfg.update(stages=3, chunks=1, unroll=1)
-    cfg.update(split=rows > 1024, mask_rows=True)
+    cfg.update(split=rows > 1024, mask_rows=True, narrow=rows > 1024)
     if n % (ROWS_PER_WARPGROUP * cfg["num_warps"] // 4):  # N a multiple of 64 only: one warpgroup, one partition
         cfg.update(block_t=min(cfg["block_t"], 64), num_warps=4, loader_warps=0, maxnreg=None, ctas_per_sm=0)
-        cfg.update(stages=3, chunks=1, unroll=1, split=False)
+        cfg.update(stages=3, chunks=1, unroll=1, split=False, narrow=False)
     return cfg
 
 
@@ -640,11 +643,11 @@ _ONE_STEP_RUNS: set[tuple] = set()  # tiles whose multi-step runs (or in-slot ov
 
 def _register_hazards(kernel) -> list[str] | None:
     """sass_hazards on a compiled kernel, once per compiled variant (a disassembly takes ~0.1-1 s); None
-    where its SASS cannot be read (Triton disassembles with the cuobjdump/nvdisasm it bundles)."""
+    where its SASS cannot be read (disassemble: the cuobjdump Triton bundles, on the whole cubin)."""
     key = getattr(kernel, "hash", None) or str(id(kernel))
     if key not in _SASS_CHECKED:
         try:
-            sass = kernel.asm["sass"]
+            sass = disassemble(kernel.asm["cubin"])
         except (OSError, RuntimeError, subprocess.CalledProcessError):
             sass = None
         _SASS_CHECKED[key] = None if sass is None else wgmma_register_hazards(sass)
@@ -670,7 +673,7 @@ def grouped_w4a4_wgmma(
     ctas_per_sm: int | None = None,
     split: bool | None = None,
     mask_rows: bool | None = None,
-    narrow: bool = False,
+    narrow: bool | None = None,
 ) -> torch.Tensor:
     """y [rows, N] = S_dec_a * S_dec_w[e] * (A @ W_e^T) for the grouped rows of offs (see grouped_w4a4).
 
@@ -689,7 +692,8 @@ def grouped_w4a4_wgmma(
     expert's rows are zero-filled by the copy instead of read from row 0 (every CTA with a partial tile
     re-reads that one row; at 256 tokens half of each tile's rows; None: wgmma_config's, on); narrow
     (warp-specialized kernel, block_t >= 32): a tile whose expert has at most block_t / 2 rows left runs
-    half-width wgmmas and epilogue (at 256 tokens about half the tiles; opt-in: not yet run on a GPU).
+    half-width wgmmas and epilogue (at 256 tokens about half the tiles; None: wgmma_config's where the
+    tile allows it).
 
     Each compiled tile's SASS is checked once (sass_hazards): multi-step runs whose wgmma register
     operand could be rewritten in flight (or whose SASS cannot be read) fall back to 1-step runs,
@@ -714,6 +718,8 @@ def grouped_w4a4_wgmma(
         ctas_per_sm = cfg.get("ctas_per_sm", 0) if ctas_per_sm is None else ctas_per_sm
         split = cfg.get("split", False) if split is None and num_warps == cfg["num_warps"] else split
     split, mask_rows = bool(split), cfg["mask_rows"] if mask_rows is None else bool(mask_rows)
+    if narrow is None:
+        narrow = cfg["narrow"] and bool(loader_warps) and block_t >= 32
     if k % (CHUNK * chunks) or (loader_warps and k // (CHUNK * chunks) < 2):  # a 1-step K loop does not lower
         chunks = 1
     overlap = bool(loader_warps) and ws_overlap(chunks, unroll or cfg["unroll"])

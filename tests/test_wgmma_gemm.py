@@ -87,13 +87,15 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
     sizes = [(128, 1536), (2048, 1536), (8192, 2048), (32768, 1536), (131072, 1536), (131072, 64)]
     configs = [wg.wgmma_config(r, n) for r, n in sizes] + [wg.wgmma_config(131072, 1536, torch.float32)]
     keys = ("block_t", "num_warps", "stages", "chunks", "unroll", "loader_warps", "maxnreg", "split", "mask_rows")
+    keys += ("narrow",)
     tiles = sorted(  # (persistence: a grid size); the tiles below: rows past the expert read from row 0
         {tuple(int(c.get(key) or 0) for key in keys) for c in configs}
         | {(32, 8, 4, 2, 2, 0, 0, 0), (16, 8, 6, 1, 8, 0, 0, 0), (64, 8, 4, 1, 1, 0, 0, 0), (32, 8, 2, 1, 1, 2, 80, 0)}
         | {(16, 8, 3, 2, 1, 4, 80, 0), (32, 8, 3, 2, 1, 4, 80, 0), (128, 8, 2, 2, 2, 4, 168, 0)}
         | {(32, 8, 4, 1, 1, 4, 80, 1), (128, 8, 2, 2, 2, 4, 168, 1)}
     )
-    tiles += [(32, 8, 3, 2, 1, 4, 80, 1, 1, 1), (64, 8, 3, 1, 1, 4, 80, 0, 1, 1)]  # narrow: half-width tiles too
+    tiles += [(32, 8, 3, 2, 1, 4, 80, 0, 1, 1), (64, 8, 3, 1, 1, 4, 80, 0, 1, 1)]  # narrow, one consumer partition
+    assert any(t[9:] == (1,) and t[7] for t in tiles)  # the default tiles include split narrow ones
     assert any(t[5] for t in tiles) and any(not t[5] for t in tiles)
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run(
@@ -173,6 +175,52 @@ def test_register_hazard_check_follows_the_loop_back_edge():
     assert hazards(_sass(*fixed)) == []
     # the loop's exit path runs into the epilogue without a wait: a write there is caught too
     assert len(hazards(_sass(MMA, "@P1 BRA OUT", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "OUT:", "MOV R26, RZ"))) == 1
+
+
+def _cuobjdump(*code: tuple[int, str]) -> str:
+    """cuobjdump -sass text for (offset, instruction) pairs: each with its encoding's two words (the
+    second one's control bits: stall 2, no barriers)."""
+    lines = ["", "\tcode for sm_90a", "\t\tFunction : k", '\t.headerflags\t@"EF_CUDA_SM90"']
+    for offset, ins in code:
+        lines.append(f"        /*{offset:04x}*/                   {ins} ;      /* 0x0000000000007918 */")
+        lines.append("                                                        /* 0x000fe40000000000 */")
+    return "\n".join(lines + ["\t\t.........."]) + "\n"
+
+
+def test_disassembly_reads_code_past_64_kb_and_checks_it():
+    """Triton's SASS dump stops at offset 0x10000 (4-digit offsets); a kernel with two compiled widths
+    per consumer partition is past it. parse_cuobjdump reads every instruction, labels branch targets
+    (5-digit too) and keeps the control bits; a hazard past 64 KB is found."""
+    from quads_megatron.kernels import sass_hazards as sh
+
+    text = _cuobjdump(
+        (0xFFF0, "@P0 BRA 0x10020"),
+        (0x10000, MMA),
+        (0x10010, "PRMT R41, R8, 0x1404, RZ"),
+        (0x10020, "WARPGROUP.DEPBAR.LE gsb0, 0x0"),
+        (0x10030, "EXIT"),
+    )
+    sass = sh.parse_cuobjdump(text)
+    assert sass.splitlines() == [
+        "--:-:-:-:2\t@P0 BRA L10020;",
+        f"--:-:-:-:2\t{MMA};",
+        "--:-:-:-:2\tPRMT R41, R8, 0x1404, RZ;",
+        "L10020:",
+        "--:-:-:-:2\tWARPGROUP.DEPBAR.LE gsb0, 0x0;",
+        "--:-:-:-:2\tEXIT;",
+    ]
+    assert len(sh.wgmma_register_hazards(sass)) == 1
+    # control bits as Triton prints them: wait mask (decimal), read and write barriers, yield, stall
+    assert sh._control(0x000E240000000800) == "--:-:0:-:2" and sh._control(0x001FE20000000000) == "01:-:-:-:1"
+    for bad in ("no code here", text.replace("/* 0x000fe40000000000 */", "")):
+        with pytest.raises(RuntimeError):
+            sh.parse_cuobjdump(bad)
+
+
+@pytest.fixture(autouse=True)
+def _fake_cubins_are_their_sass(monkeypatch):
+    """The fake kernels below hand their SASS text as the cubin (nothing compiled to disassemble)."""
+    monkeypatch.setattr(wg, "disassemble", lambda cubin: cubin)
 
 
 class _FakeGluonLaunch_NoGPU:
@@ -365,18 +413,23 @@ def test_split_consumers_launch_one_warpgroup_per_partition(monkeypatch):
     assert wg.wgmma_config(2048, n)["split"] and fake.consts[3]["num_warps"] == 4
 
 
-def test_narrow_tiles_are_opt_in_and_need_loader_warps_and_32_token_tiles(monkeypatch):
-    """narrow: the warp-specialized kernel (faked: no GPU) gets NARROW only when asked (the default tiles
-    do not take it: not yet run on a GPU); the one-partition kernel and 16-token tiles refuse it."""
+def test_narrow_tiles_by_default_and_need_loader_warps_and_32_token_tiles(monkeypatch):
+    """narrow: the warp-specialized kernel (faked: no GPU) gets NARROW with the default tiles at 2048 rows
+    and where asked; not when told not to, nor (left to the config) on 16-token tiles given by the caller;
+    the one-partition kernel and 16-token tiles refuse narrow=True."""
     fake, w, n, k = _fake_ws_launch(monkeypatch)
     a, s, offs = torch.zeros(2048, k, dtype=torch.float16), torch.ones(2048), torch.tensor([1024, 2048])
     wg.grouped_w4a4_wgmma(a, s, offs, *w)
-    wg.grouped_w4a4_wgmma(a, s, offs, *w, narrow=True)
-    assert [c["NARROW"] for c in fake.consts] == [False, True] and fake.consts[1]["BT"] == 32
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, narrow=False)
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=16)
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=16, narrow=False)
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=64, narrow=True)
+    assert [c["NARROW"] for c in fake.consts] == [True, False, False, False, True]
+    assert [c["BT"] for c in fake.consts] == [32, 32, 16, 16, 64]
     for bad in (dict(loader_warps=0), dict(block_t=16, num_warps=8, stages=3, loader_warps=4)):
         with pytest.raises(NVFP4InputError, match="narrow=True"):
             wg.grouped_w4a4_wgmma(a, s, offs, *w, **bad, narrow=True)
-    assert len(fake.launches) == 2
+    assert len(fake.launches) == 5
 
 
 def test_wgmma_config_uses_the_warp_specialized_kernel_above_1024_rows_persistent_above_16384():
@@ -402,6 +455,8 @@ def test_wgmma_config_uses_the_warp_specialized_kernel_above_1024_rows_persisten
         assert cfg["block_t"] == (bt if n % 128 == 0 else min(bt, 64)), (rows, cfg)
         assert (cfg.get("ctas_per_sm", 0) > 0) == (rows > 16384 and n % 128 == 0), (rows, cfg)
         assert cfg["mask_rows"], (rows, cfg)  # rows past the expert zero-filled at every size
+        # half-width tiles for experts with few rows left wherever the warp-specialized kernel runs
+        assert cfg["narrow"] == (lw > 0), (rows, cfg)
         assert n % (16 * cfg["num_warps"]) == 0 and 32 * lw <= 16 * cfg["num_warps"], (rows, n, cfg)
     # 128-token tiles: 2 chunks per slot with in-slot overlap, but for an fp32 output (its epilogue scratch)
     big, big32 = wg.wgmma_config(131072, 1536), wg.wgmma_config(131072, 1536, torch.float32)
