@@ -236,6 +236,7 @@ def time_sizes(tokens_list, log) -> list[dict]:
             y_w = wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, wc, wsc, wsd, torch.float32, tok)
             y_t = kg.grouped_w4a4(qa0, offs, wc, wsc, wsd, out_dtype=torch.float32, use_asm=asm, a_rows=tok, **kw)
             r["wgmma_rel_err_vs_triton"] = ((y_w - y_t)[:rows].norm() / y_t[:rows].norm()).item()
+            r["wgmma_quant_us"] = bench(lambda: kg.activation_operand(xt, check=False, order="wgmma"))
             r["wgmma_gemm_us"] = bench(
                 lambda: wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok)
             )
@@ -343,7 +344,7 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str, blocks: l
         "",
         "| tokens | rows | bf16 us | fp8 us | W4A4 us (quant; gemm) | vs bf16 | vs fp8 | % HBM roofline "
         "| RAC 12.5% extra | RAC 25% extra | RAC 50% extra | gemm ptx / int-op decode us | eager W4A4 us "
-        "| dynamic RAC 50% extra | codes path us (RAC 50%) | config | Gluon wgmma us (gemm) | wgmma vs bf16 "
+        "| dynamic RAC 50% extra | codes path us (RAC 50%) | config | Gluon wgmma us (quant; gemm) | wgmma vs bf16 "
         "| impl='auto': GEMM, us | auto vs bf16 | auto vs fp8 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -358,7 +359,7 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str, blocks: l
             f"| {r['w4a4_total_eager_us']:.1f} | {r['dyn50_extra_pct']:.1f}% "
             f"| {r['codes_path_total_us']:.1f} ({r['rac50.0_codes_path_total_us']:.1f}) "
             f"| {r['config']} | {r.get('wgmma_total_us', float('nan')):.1f} "
-            f"({r.get('wgmma_gemm_us', float('nan')):.1f}) "
+            f"({r.get('wgmma_quant_us', float('nan')):.1f}; {r.get('wgmma_gemm_us', float('nan')):.1f}) "
             f"| {r.get('wgmma_vs_bf16', float('nan')):.2f} | {r['auto_path']}, {r['auto_total_us']:.1f} "
             f"| {r['auto_vs_bf16']:.2f} | {r.get('auto_vs_fp8', float('nan')):.2f} |"
         )

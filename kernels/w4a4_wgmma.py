@@ -109,7 +109,7 @@ def wgmma_config(rows: int, n: int, out_dtype: torch.dtype = torch.bfloat16) -> 
     1570 in one sweep, 1598 -> 1680 in another (noise of a few %). Narrow tiles (session 10: a tile whose
     expert has at most BT/2 rows left runs half-width wgmmas) with every warp-specialized tile, bit-identical:
     104.0 -> 101.5 us at 2048 rows, 131.3 -> 125.3 at 4096, 183.0 -> 178.9 at 8192, 300.8 -> 296.1 at
-    16384, 463.8 -> 453.4 at 32768, 1606 -> 1558 at 131072 (its 3-slot 1-chunk tile: 1622 -> 1650)."""
+    16384, 463.8 -> 453.4 at 32768; at 131072 a wash (1606 -> 1558 in one sweep, 1576 -> 1592 in another)."""
     if rows <= 1024:
         cfg = dict(block_t=16, num_warps=8, stages=3, chunks=1, unroll=1)
     elif rows <= 3072:
