@@ -692,8 +692,8 @@ def grouped_w4a4_wgmma(
     expert's rows are zero-filled by the copy instead of read from row 0 (every CTA with a partial tile
     re-reads that one row; at 256 tokens half of each tile's rows; None: wgmma_config's, on); narrow
     (warp-specialized kernel, block_t >= 32): a tile whose expert has at most block_t / 2 rows left runs
-    half-width wgmmas and epilogue (at 256 tokens about half the tiles; None: wgmma_config's where the
-    tile allows it).
+    half-width wgmmas and epilogue (at 256 tokens about half the tiles; None: wgmma_config's for the
+    configured kernel (loader_warps not given) with block_t >= 32, off for tiles given with loader warps).
 
     Each compiled tile's SASS is checked once (sass_hazards): multi-step runs whose wgmma register
     operand could be rewritten in flight (or whose SASS cannot be read) fall back to 1-step runs,
@@ -717,9 +717,8 @@ def grouped_w4a4_wgmma(
         loader_warps, maxnreg = cfg.get("loader_warps", 0), maxnreg or cfg.get("maxnreg")
         ctas_per_sm = cfg.get("ctas_per_sm", 0) if ctas_per_sm is None else ctas_per_sm
         split = cfg.get("split", False) if split is None and num_warps == cfg["num_warps"] else split
-    split, mask_rows = bool(split), cfg["mask_rows"] if mask_rows is None else bool(mask_rows)
-    if narrow is None:
-        narrow = cfg["narrow"] and bool(loader_warps) and block_t >= 32
+        narrow = cfg["narrow"] and bool(loader_warps) and block_t >= 32 if narrow is None else narrow
+    split, mask_rows, narrow = bool(split), cfg["mask_rows"] if mask_rows is None else bool(mask_rows), bool(narrow)
     if k % (CHUNK * chunks) or (loader_warps and k // (CHUNK * chunks) < 2):  # a 1-step K loop does not lower
         chunks = 1
     overlap = bool(loader_warps) and ws_overlap(chunks, unroll or cfg["unroll"])

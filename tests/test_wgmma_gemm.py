@@ -415,8 +415,9 @@ def test_split_consumers_launch_one_warpgroup_per_partition(monkeypatch):
 
 def test_narrow_tiles_by_default_and_need_loader_warps_and_32_token_tiles(monkeypatch):
     """narrow: the warp-specialized kernel (faked: no GPU) gets NARROW with the default tiles at 2048 rows
-    and where asked; not when told not to, nor (left to the config) on 16-token tiles given by the caller;
-    the one-partition kernel and 16-token tiles refuse narrow=True."""
+    (also with another block_t >= 32) and where asked; not when told not to, not (left to the config) on
+    16-token tiles nor on tiles given with their loader warps; the one-partition kernel and 16-token
+    tiles refuse narrow=True."""
     fake, w, n, k = _fake_ws_launch(monkeypatch)
     a, s, offs = torch.zeros(2048, k, dtype=torch.float16), torch.ones(2048), torch.tensor([1024, 2048])
     wg.grouped_w4a4_wgmma(a, s, offs, *w)
@@ -424,12 +425,15 @@ def test_narrow_tiles_by_default_and_need_loader_warps_and_32_token_tiles(monkey
     wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=16)
     wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=16, narrow=False)
     wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=64, narrow=True)
-    assert [c["NARROW"] for c in fake.consts] == [True, False, False, False, True]
-    assert [c["BT"] for c in fake.consts] == [32, 32, 16, 16, 64]
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=64)
+    # a tile given with its loader warps (not the configured kernel) runs full width unless asked
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, block_t=32, num_warps=4, stages=3, loader_warps=2)
+    assert [c["NARROW"] for c in fake.consts] == [True, False, False, False, True, True, False]
+    assert [c["BT"] for c in fake.consts] == [32, 32, 16, 16, 64, 64, 32]
     for bad in (dict(loader_warps=0), dict(block_t=16, num_warps=8, stages=3, loader_warps=4)):
         with pytest.raises(NVFP4InputError, match="narrow=True"):
             wg.grouped_w4a4_wgmma(a, s, offs, *w, **bad, narrow=True)
-    assert len(fake.launches) == 5
+    assert len(fake.launches) == 7
 
 
 def test_wgmma_config_uses_the_warp_specialized_kernel_above_1024_rows_persistent_above_16384():
