@@ -13,12 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
-import tempfile
 
 import triton
 from quads_megatron.kernels import w4a4_grouped as kg
-from quads_megatron.kernels.sass_hazards import disassemble
+from quads_megatron.kernels.sass_hazards import cuobjdump, disassemble
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -37,14 +35,7 @@ CONSTEXPRS = ["K", "HAS_RES", "HAS_AROWS", "USE_ASM", "A_OPERAND", "OUT_BF16", "
 
 def registers_per_thread(cubin: bytes) -> int | None:
     """Registers per thread of a compiled kernel, read by the cuobjdump bundled with Triton."""
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        usage = subprocess.run(
-            [os.path.join(bin_dir, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True
-        ).stdout
-    regs = re.search(r"REG:(\d+)", usage)
+    regs = re.search(r"REG:(\d+)", cuobjdump(cubin, "-res-usage"))
     return int(regs.group(1)) if regs else None
 
 
@@ -64,9 +55,9 @@ def loop_stats(bm: int, bn: int, bk: int, warps: int, stages: int, k: int = 2048
     lines = [ln for ln in (body.group(2) if body else "").splitlines() if ln.strip()]
     if dump:
         os.makedirs(dump, exist_ok=True)
-        for key in ("ttgir", "sass"):
+        for key, text in (("ttgir", compiled.asm["ttgir"]), ("sass", sass)):  # the SASS read, not Triton's dump
             with open(os.path.join(dump, f"gemm_{bm}_{bn}_{bk}_{warps}_{stages}.{key}"), "w") as out:
-                out.write(compiled.asm[key])
+                out.write(text)
     return {
         "loop": len(lines),
         "per_weight": len(lines) / (bn * bk / (32 * warps)),

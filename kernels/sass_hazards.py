@@ -62,29 +62,34 @@ def parse_cuobjdump(text: str) -> str:
         code.append((int(m.group(1), 16), m.group(2).strip(), _control(int(second.group(1), 16))))
     if not code:
         raise RuntimeError("cuobjdump output has no SASS instructions")
-    targets = {int(b.group(2), 16) for _, ins, _ in code if (b := _BRA_TARGET.match(ins))}
+    branches = [_BRA_TARGET.match(ins) for _, ins, _ in code]
+    targets = {int(b.group(2), 16) for b in branches if b}
     out = []
-    for offset, ins, ctrl in code:
+    for (offset, ins, ctrl), b in zip(code, branches, strict=True):
         if offset in targets:
             out.append(f"L{offset:x}:")
-        b = _BRA_TARGET.match(ins)
         out.append(f"{ctrl}\t{b.group(1)}L{int(b.group(2), 16):x};" if b else f"{ctrl}\t{ins};")
     return "\n".join(out) + "\n"
 
 
-def disassemble(cubin: bytes) -> str:
-    """A compiled kernel's cubin -> its whole SASS (parse_cuobjdump), by the cuobjdump Triton bundles.
-    OSError / CalledProcessError where that cannot run, RuntimeError where its output has no code."""
+def cuobjdump(cubin: bytes, option: str) -> str:
+    """stdout of the cuobjdump Triton bundles run with one option (-sass, -res-usage) on a cubin.
+    OSError / CalledProcessError where that cannot run."""
     from triton import knobs
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        text = subprocess.run(
-            [knobs.nvidia.cuobjdump.path, "-sass", path], capture_output=True, text=True, check=True
+        return subprocess.run(
+            [knobs.nvidia.cuobjdump.path, option, path], capture_output=True, text=True, check=True
         ).stdout
-    return parse_cuobjdump(text)
+
+
+def disassemble(cubin: bytes) -> str:
+    """A compiled kernel's cubin -> its whole SASS (parse_cuobjdump). OSError / CalledProcessError
+    where cuobjdump cannot run, RuntimeError where its output has no code."""
+    return parse_cuobjdump(cuobjdump(cubin, "-sass"))
 
 
 def _program(sass: str) -> list[tuple[str, str]]:

@@ -717,7 +717,7 @@ def grouped_w4a4_wgmma(
         loader_warps, maxnreg = cfg.get("loader_warps", 0), maxnreg or cfg.get("maxnreg")
         ctas_per_sm = cfg.get("ctas_per_sm", 0) if ctas_per_sm is None else ctas_per_sm
         split = cfg.get("split", False) if split is None and num_warps == cfg["num_warps"] else split
-        narrow = cfg["narrow"] and bool(loader_warps) and block_t >= 32 if narrow is None else narrow
+        narrow = cfg["narrow"] and block_t >= 32 if narrow is None else narrow  # config's narrow: loader warps
     split, mask_rows, narrow = bool(split), cfg["mask_rows"] if mask_rows is None else bool(mask_rows), bool(narrow)
     if k % (CHUNK * chunks) or (loader_warps and k // (CHUNK * chunks) < 2):  # a 1-step K loop does not lower
         chunks = 1
