@@ -50,11 +50,20 @@ CONFIGS = [  # (BM, BN, BK, warps, stages); gemm_config's defaults come from ben
 ]
 
 
-def bench(fn) -> float:
-    """Median GPU time (us) of fn's kernels, replayed from a CUDA graph: launch overhead excluded."""
+def bench(fn, pdl: bool = True) -> float:
+    """Median GPU time (us) of fn's kernels, replayed from a CUDA graph: launch overhead excluded.
+    pdl=False: captured with programmatic dependent launch off (QUADS_PDL=0; kernels/pdl.py)."""
     import triton.testing
 
-    return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
+    old = os.environ.get("QUADS_PDL")
+    os.environ["QUADS_PDL"] = "1" if pdl else "0"
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
+    finally:
+        if old is None:
+            del os.environ["QUADS_PDL"]
+        else:
+            os.environ["QUADS_PDL"] = old
 
 
 def bench_eager(fn) -> float:
@@ -199,11 +208,14 @@ def time_sizes(tokens_list, log) -> list[dict]:
         for cfg in CONFIGS:
             if (cfg[0] == 128 and rows < 4 * 1024) or (cfg[0] == 16 and rows > 64 * 1024):
                 continue
+            tiles = kg.row_tiles(offs, cfg[0], rows)  # made beforehand, as moe_w4a4 does (in the quant launch)
             for asm in (True, False):
                 kw = dict(block_m=cfg[0], block_n=cfg[1], block_k=cfg[2], num_warps=cfg[3], num_stages=cfg[4])
                 try:
                     t = bench(
-                        lambda kw=kw, asm=asm: kg.grouped_w4a4(qa0, offs, wc, wsc, wsd, use_asm=asm, a_rows=tok, **kw)
+                        lambda kw=kw, asm=asm, tiles=tiles: kg.grouped_w4a4(
+                            qa0, offs, wc, wsc, wsd, use_asm=asm, a_rows=tok, tiles=tiles, **kw
+                        )
                     )
                 except Exception as e:
                     log(f"config {cfg} asm={asm} failed: {repr(e)[:160]}")
@@ -217,12 +229,16 @@ def time_sizes(tokens_list, log) -> list[dict]:
             f"BM{kw['block_m']} BN{kw['block_n']} BK{kw['block_k']} w{kw['num_warps']} {'ptx' if asm else 'int-op'}"
         )
         r["w4a4_gemm_us"] = t_gemm
-        r["act_quant_us"] = bench(lambda: kg.activation_operand(xt, check=False))
+        tiles_for = (offs, kw["block_m"], rows)
+        r["act_quant_us"] = bench(lambda: kg.activation_operand(xt, check=False, row_tiles=tiles_for))
 
-        # as moe_w4a4 runs fc1: each token quantized once, the GEMM reads it through the row's token index
+        # as moe_w4a4 runs fc1: each token quantized once, the GEMM reads it through the row's token index;
+        # the quantization's launch also writes the GEMM's row-tile table
         def w4a4_step(plan=None, mask=None, dynamic=0):
-            op = kg.activation_operand(xt, plan, check=False, block_mask=mask, dynamic_channels=dynamic)
-            return kg.grouped_w4a4(op, offs, wc, wsc, wsd, use_asm=asm, a_rows=tok, **kw)
+            op = kg.activation_operand(
+                xt, plan, check=False, block_mask=mask, dynamic_channels=dynamic, row_tiles=tiles_for
+            )
+            return kg.grouped_w4a4(op, offs, wc, wsc, wsd, use_asm=asm, a_rows=tok, tiles=op.tiles, **kw)
 
         def codes_step(plan=None, mask=None):  # FP4 codes to the GEMM, decoded per tile there
             qa = kg.quantize_activation(xt, plan, check=False, block_mask=mask)
@@ -231,21 +247,30 @@ def time_sizes(tokens_list, log) -> list[dict]:
         r["codes_path_total_us"] = bench(codes_step)
 
         r["w4a4_total_us"] = bench(w4a4_step)  # quant + GEMM in one graph
+        r["w4a4_total_no_pdl_us"] = bench(w4a4_step, pdl=False)
         if wg is not None:  # the Gluon Hopper GEMM at its default tiles, operand in its order
-            perm = kg.activation_operand(xt, order="wgmma")
+            wtiles_for = (offs, wg.wgmma_config(rows, 2 * INTER)["block_t"], rows)
+            perm = kg.activation_operand(xt, order="wgmma", row_tiles=wtiles_for)
             y_w = wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, wc, wsc, wsd, torch.float32, tok)
             y_t = kg.grouped_w4a4(qa0, offs, wc, wsc, wsd, out_dtype=torch.float32, use_asm=asm, a_rows=tok, **kw)
             r["wgmma_rel_err_vs_triton"] = ((y_w - y_t)[:rows].norm() / y_t[:rows].norm()).item()
-            r["wgmma_quant_us"] = bench(lambda: kg.activation_operand(xt, check=False, order="wgmma"))
+            r["wgmma_quant_us"] = bench(
+                lambda: kg.activation_operand(xt, check=False, order="wgmma", row_tiles=wtiles_for)
+            )
             r["wgmma_gemm_us"] = bench(
-                lambda: wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok)
+                lambda: wg.grouped_w4a4_wgmma(
+                    perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, tiles=perm.tiles
+                )
             )
 
             def wgmma_step():
-                op = kg.activation_operand(xt, check=False, order="wgmma")
-                return wg.grouped_w4a4_wgmma(op.values, op.global_decode, offs, wc, wsc, wsd, a_rows=tok)
+                op = kg.activation_operand(xt, check=False, order="wgmma", row_tiles=wtiles_for)
+                return wg.grouped_w4a4_wgmma(
+                    op.values, op.global_decode, offs, wc, wsc, wsd, a_rows=tok, tiles=op.tiles
+                )
 
             r["wgmma_total_us"] = bench(wgmma_step)
+            r["wgmma_total_no_pdl_us"] = bench(wgmma_step, pdl=False)
             r["wgmma_vs_bf16"] = r["bf16_us"] / r["wgmma_total_us"]
         # what moe_w4a4(impl="auto") runs at this many rows on this GPU
         r["auto_path"] = "wgmma" if "wgmma_total_us" in r and wg.faster_than_triton(rows) else "triton"
@@ -316,6 +341,9 @@ def time_moe_block(tokens_list, log) -> list[dict]:
             r["wgmma_block_us"] = bench(lambda: moe.moe_w4a4(x, ids, tw, weights, check=False, impl="wgmma"))
             r["wgmma_block_vs_bf16"] = r["bf16_block_us"] / r["wgmma_block_us"]
         r["auto_block_us"] = bench(lambda: moe.moe_w4a4(x, ids, tw, weights, check=False, impl="auto"))
+        r["auto_block_no_pdl_us"] = bench(
+            lambda: moe.moe_w4a4(x, ids, tw, weights, check=False, impl="auto"), pdl=False
+        )
         r["auto_block_vs_bf16"] = r["bf16_block_us"] / r["auto_block_us"]
         rows.append(r)
         log(json.dumps(r))
@@ -338,15 +366,17 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str, blocks: l
         "at its default tiles (wgmma_config: above 1024 rows its warp-specialized kernel with split consumers,",
         "persistent CTAs above 16384; rows past an expert zero-filled; half-width tiles for experts with few",
         "rows left), with the activation operand in its order;",
-        "quant + GEMM like the W4A4 column.",
+        "quant + GEMM like the W4A4 column. 'quant' = the activation quantization's launch, which also writes",
+        "the GEMM's row-tile table (extra programs); 'gemm' = the GEMM alone with that table made beforehand.",
+        "Kernels launch with programmatic dependent launch (kernels/pdl.py); 'no PDL' = the same without it.",
         "impl='auto' = what moe_w4a4 runs by default on this GPU: the Triton GEMM at <= 1024 grouped rows, the",
         "Gluon GEMM above (w4a4_wgmma.faster_than_triton, set from the tile sweeps).",
         "",
         "| tokens | rows | bf16 us | fp8 us | W4A4 us (quant; gemm) | vs bf16 | vs fp8 | % HBM roofline "
         "| RAC 12.5% extra | RAC 25% extra | RAC 50% extra | gemm ptx / int-op decode us | eager W4A4 us "
         "| dynamic RAC 50% extra | codes path us (RAC 50%) | config | Gluon wgmma us (quant; gemm) | wgmma vs bf16 "
-        "| impl='auto': GEMM, us | auto vs bf16 | auto vs fp8 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| impl='auto': GEMM, us | auto vs bf16 | auto vs fp8 | W4A4 / wgmma no PDL us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res:
         lines.append(
@@ -361,7 +391,8 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str, blocks: l
             f"| {r['config']} | {r.get('wgmma_total_us', float('nan')):.1f} "
             f"({r.get('wgmma_quant_us', float('nan')):.1f}; {r.get('wgmma_gemm_us', float('nan')):.1f}) "
             f"| {r.get('wgmma_vs_bf16', float('nan')):.2f} | {r['auto_path']}, {r['auto_total_us']:.1f} "
-            f"| {r['auto_vs_bf16']:.2f} | {r.get('auto_vs_fp8', float('nan')):.2f} |"
+            f"| {r['auto_vs_bf16']:.2f} | {r.get('auto_vs_fp8', float('nan')):.2f} "
+            f"| {r['w4a4_total_no_pdl_us']:.1f} / {r.get('wgmma_total_no_pdl_us', float('nan')):.1f} |"
         )
     lines += [
         "",
@@ -383,15 +414,15 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str, blocks: l
             "SGLang quads_nvfp4 method runs it) vs the same block on torch._grouped_mm (bf16); CUDA-graph replays.",
             "",
             "| tokens | bf16 block us | W4A4 block us | vs bf16 | W4A4 + dynamic RAC 50% us | vs bf16 "
-            "| W4A4 block, Gluon wgmma GEMMs us | vs bf16 | W4A4 block, impl='auto' us | vs bf16 |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| W4A4 block, Gluon wgmma GEMMs us | vs bf16 | W4A4 block, impl='auto' us | vs bf16 | auto, no PDL us |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for b in blocks:
             lines.append(
                 f"| {b['tokens']} | {b['bf16_block_us']:.1f} | {b['w4a4_block_us']:.1f} | {b['w4a4_vs_bf16']:.2f} "
                 f"| {b['dyn50_block_us']:.1f} | {b['dyn50_vs_bf16']:.2f} "
                 f"| {b.get('wgmma_block_us', float('nan')):.1f} | {b.get('wgmma_block_vs_bf16', float('nan')):.2f} "
-                f"| {b['auto_block_us']:.1f} | {b['auto_block_vs_bf16']:.2f} |"
+                f"| {b['auto_block_us']:.1f} | {b['auto_block_vs_bf16']:.2f} | {b['auto_block_no_pdl_us']:.1f} |"
             )
     lines += ["", "GPU checks:", ""] + [f"- {k}: {v}" for k, v in chk.items()]
     return "\n".join(lines) + "\n"

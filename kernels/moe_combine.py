@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from quads_megatron.kernels import pdl
+from quads_megatron.kernels.pdl import wait_then_release
 from quads_megatron.kernels.w4a4_grouped import round_bf16
 
 from quads_megatron.nvfp4 import NVFP4InputError
@@ -17,8 +19,19 @@ from quads_megatron.nvfp4 import NVFP4InputError
 
 @triton.jit
 def _combine_kernel(
-    y_ptr, pos_ptr, ids_ptr, w_ptr, out_ptr, H, E, TOPK: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_H: tl.constexpr
+    y_ptr,
+    pos_ptr,
+    ids_ptr,
+    w_ptr,
+    out_ptr,
+    H,
+    E,
+    TOPK: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < H
@@ -74,5 +87,6 @@ def combine(
         BLOCK_H=block_h,
         num_warps=4,
         enable_fp_fusion=False,
+        **pdl.launch_options(out.device),
     )
     return out

@@ -12,7 +12,10 @@
   extra weight traffic. A + R is exact in fp16 unless the two terms span more than 11 bits
   (then it rounds at 2^-11 relative); without RAC every product is exact.
   Expert rows follow ``offs`` (cumulative row ends, as torch._grouped_mm); tiles are scheduled
-  on device (no host sync); rows may read their activation through an index (a_rows).
+  on device (no host sync: a row-tile table, RowTiles, which the activation quantization's launch
+  can write with extra programs); rows may read their activation through an index (a_rows).
+* Every kernel waits for the previous kernel's writes before its first read and then lets the next
+  one launch: on sm_90+ they are launched programmatically dependent (kernels/pdl.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from quads_megatron.kernels import pdl
 from quads_megatron.kernels.nvfp4_quant import FP32_MAX, nvfp4_block_encode
+from quads_megatron.kernels.pdl import wait_then_release
 
 from quads_megatron import nvfp4
 from quads_megatron.nvfp4 import NVFP4InputError, NVFP4Tensor
@@ -228,9 +233,14 @@ def _act_quant_kernel(
     rscales_ptr,
     op_ptr,
     sdec_ptr,
+    offs_ptr,
+    tmap_ptr,
     M,
     stride_xm,
     n_sel,
+    n_tm,
+    E,
+    P,
     K: tl.constexpr,
     STATIC: tl.constexpr,
     HAS_RES: tl.constexpr,
@@ -242,8 +252,22 @@ def _act_quant_kernel(
     X_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_TM: tl.constexpr,
+    TM_BM: tl.constexpr,
+    TM_BLOCK_E: tl.constexpr,
+    TM_BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """HAS_TM: programs 0 .. n_tm - 1 write a GEMM's row-tile table (tile_map of offs: E experts, P tiles
+    of TM_BM rows) next to the quantization, in the same launch; the others quantize BLOCK_M rows each."""
+    wait_then_release(PDL)
+    pid = tl.program_id(0)
+    if HAS_TM:
+        if pid < n_tm:
+            _tile_map_chunk(offs_ptr, tmap_ptr, E, P, pid, TM_BM, TM_BLOCK_E, TM_BLOCK_P)
+            return
+        pid -= n_tm
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     rows64 = rows.to(tl.int64)
     lmask = rmask  # rows whose input is read (HAS_VALID: the others quantize zeros)
@@ -336,11 +360,16 @@ class ActivationOperand:
         (grouped_w4a4); order "wgmma": [M, K] permuted inside each 128-chunk as
         w4a4_wgmma.operand_permutation (the Hopper Gluon GEMM).
     global_decode: S_dec [M, 1] of the per-token (or static) global scale.
+    tiles: the row tiles of a grouped GEMM, where asked for (activation_operand(row_tiles=...)).
     """
 
     values: torch.Tensor
     global_decode: torch.Tensor
     order: str = "pairs"
+    tiles: RowTiles | None = None
+
+
+_TM_BLOCK_P = 32  # row tiles per tile-map program inside the activation launch ([32, E] compares per program)
 
 
 def _launch_act_quant(
@@ -357,6 +386,7 @@ def _launch_act_quant(
     gated=False,
     row_valid=None,
     order="pairs",
+    row_tiles=None,
 ):
     if order not in ("pairs", "wgmma"):
         raise NVFP4InputError(f"operand order must be 'pairs' or 'wgmma', got {order!r}")
@@ -406,7 +436,15 @@ def _launch_act_quant(
     else:
         mask = plan.block_mask(dev).to(torch.int8)
     amax = static_amax.detach().float().reshape(1).to(dev) if static_amax is not None else sdec
-    _act_quant_kernel[(triton.cdiv(m, block_m),)](
+    tiles, offs, n_tm, e_count, tm_block_e = None, sdec, 0, 0, 2
+    if row_tiles is not None:  # the GEMM's row-tile table, written by extra programs of this launch
+        offs, block_rows, rows = row_tiles
+        offs = offs.to(device=dev, dtype=torch.int32)
+        e_count, tm_block_e = offs.numel(), triton.next_power_of_2(max(offs.numel(), 2))
+        table = torch.empty((RowTiles.count(rows, block_rows, e_count), 4), dtype=torch.int32, device=dev)
+        tiles = RowTiles(table, block_rows, rows)
+        n_tm = triton.cdiv(tiles.table.shape[0], _TM_BLOCK_P)
+    _act_quant_kernel[(n_tm + triton.cdiv(m, block_m),)](
         x,
         x if row_valid is None else row_valid.view(torch.int8),
         amax,
@@ -417,9 +455,14 @@ def _launch_act_quant(
         rscales,
         op,
         sdec,
+        offs,
+        sdec if tiles is None else tiles.table,
         m,
         x.stride(0),
         n_sel,
+        n_tm,
+        e_count,
+        0 if tiles is None else tiles.table.shape[0],
         K=k,
         STATIC=static_amax is not None,
         HAS_RES=has_res,
@@ -431,12 +474,17 @@ def _launch_act_quant(
         X_BF16=x.dtype == torch.bfloat16,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
+        HAS_TM=tiles is not None,
+        TM_BM=1 if tiles is None else tiles.block_rows,
+        TM_BLOCK_E=tm_block_e,
+        TM_BLOCK_P=_TM_BLOCK_P,
         num_warps=num_warps,
         enable_fp_fusion=False,  # keep x - (v*s_b)*S_dec rounded as the torch reference does
+        **pdl.launch_options(dev),
     )
     g = sdec.reshape(m, 1)
     if operand:
-        return ActivationOperand(op, g, order)
+        return ActivationOperand(op, g, order, tiles)
     xq = NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), g)
     res = NVFP4Tensor(rcodes, rscales.view(torch.float8_e4m3fn), g) if has_res else None
     return QuantizedActivation(xq, res)
@@ -479,6 +527,7 @@ def activation_operand(
     gated: bool = False,
     row_valid: torch.Tensor | None = None,
     order: str = "pairs",
+    row_tiles: tuple[torch.Tensor, int, int] | None = None,
 ) -> ActivationOperand:
     """Quantize x like quantize_activation, but emit the GEMM's decoded fp16 operand instead of codes
     (same arguments). The Hopper GEMM then decodes only the weights, and RAC costs it nothing.
@@ -487,6 +536,9 @@ def activation_operand(
     moe_w4a4.gated_activation(x) [M, I] (SiLU in fp32, rounded to x.dtype) without writing it.
     row_valid: bool/int8 [M]; rows where it is 0 are quantized as zeros (foreign-expert rows).
     order: "pairs" for grouped_w4a4, "wgmma" for w4a4_wgmma.grouped_w4a4_wgmma (see ActivationOperand).
+    row_tiles: (offs int32 [E], block_rows, rows): the same launch also writes the RowTiles of a grouped
+    GEMM over offs' rows (returned as .tiles; for the GEMMs' tiles= argument), instead of a launch of
+    its own in the GEMM's chain.
     """
     return _launch_act_quant(
         x,
@@ -502,6 +554,7 @@ def activation_operand(
         gated,
         row_valid,
         order,
+        row_tiles,
     )
 
 
@@ -612,7 +665,9 @@ def _grouped_w4a4_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)
     pid = tl.program_id(1)  # N tiles vary fastest: a row tile's activations are re-read from L2, not HBM
     e = tl.load(tmap_ptr + pid * 4)  # this row tile's expert, first row and the expert's row end (tile_map)
     if e < 0:
@@ -659,16 +714,17 @@ def _grouped_w4a4_kernel(
 
 
 @triton.jit
-def _tile_map_kernel(offs_ptr, map_ptr, E, P, BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
-    """map[p] = (expert e, first grouped row, e's row end, total tiles) of row tile p < P; e = -1 (rows
-    0) past the last tile. Each program re-derives the per-expert tile counts and covers BLOCK_P tiles."""
+def _tile_map_chunk(offs_ptr, map_ptr, E, P, chunk, BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    """map[p] = (expert e, first grouped row, e's row end, total tiles) of the row tiles p < P in chunk
+    [chunk * BLOCK_P, (chunk + 1) * BLOCK_P); e = -1 (rows 0) past the last tile. Each chunk re-derives
+    the per-expert tile counts."""
     e = tl.arange(0, BLOCK_E)
     end = tl.load(offs_ptr + e, mask=e < E, other=0)
     begin = tl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
     count = (end - begin + BM - 1) // BM
     through = tl.cumsum(count, axis=0)  # tiles of experts <= e
     total = tl.max(through, axis=0)
-    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    p = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
     done = (through[None, :] <= p[:, None]) & (e < E)[None, :]  # experts whose tiles all come before p
     pe = tl.sum(done.to(tl.int32), axis=1)  # p's expert: how many experts end at or before it
     before = tl.sum(tl.where(done, count[None, :], 0), axis=1)  # tiles of the experts before pe
@@ -682,6 +738,14 @@ def _tile_map_kernel(offs_ptr, map_ptr, E, P, BM: tl.constexpr, BLOCK_E: tl.cons
     tl.store(map_ptr + row + 3, tl.zeros_like(p) + total, mask=p < P)
 
 
+@triton.jit
+def _tile_map_kernel(
+    offs_ptr, map_ptr, E, P, BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr
+):
+    wait_then_release(PDL)
+    _tile_map_chunk(offs_ptr, map_ptr, E, P, tl.program_id(0), BM, BLOCK_E, BLOCK_P)
+
+
 def tile_map(offs: torch.Tensor, block_m: int, tiles: int) -> torch.Tensor:
     """int32 [tiles, 4]: per row tile p (grouped rows of offs, int32 [E] cumulative row ends, in tiles of
     block_m), (expert, first grouped row, the expert's row end, total row tiles); expert -1 past the last
@@ -691,9 +755,43 @@ def tile_map(offs: torch.Tensor, block_m: int, tiles: int) -> torch.Tensor:
     out = torch.empty((tiles, 4), dtype=torch.int32, device=offs.device)
     block_p = 128
     _tile_map_kernel[(triton.cdiv(tiles, block_p),)](
-        offs, out, e, tiles, BM=block_m, BLOCK_E=triton.next_power_of_2(max(e, 2)), BLOCK_P=block_p
-    )
+        offs, out, e, tiles, BM=block_m, BLOCK_E=triton.next_power_of_2(max(e, 2)), BLOCK_P=block_p,
+        **pdl.launch_options(offs.device),
+    )  # fmt: skip
     return out
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """A grouped GEMM's row tiles: table int32 [cdiv(rows, block_rows) + E, 4] from tile_map (expert,
+    first grouped row, row end, total tiles per tile) for the rows grouped rows of offs in tiles of
+    block_rows. Made once and handed to the GEMMs that share offs, rows and block_rows (an MoE block's
+    fc1 and fc2), or by the activation quantization's launch (activation_operand(row_tiles=...)): no
+    launch of its own."""
+
+    table: torch.Tensor
+    block_rows: int
+    rows: int
+
+    @staticmethod
+    def count(rows: int, block_rows: int, experts: int) -> int:
+        """Row tiles to cover rows grouped rows of experts experts (an upper bound: one partial tile each)."""
+        return triton.cdiv(rows, block_rows) + experts
+
+    def check(self, rows: int, block_rows: int, experts: int) -> None:
+        """Refuse a table made for other tiles, another number of grouped rows or of experts."""
+        want = (self.count(rows, block_rows, experts), 4)
+        if (self.block_rows, self.rows) != (block_rows, rows) or tuple(self.table.shape) != want:
+            raise NVFP4InputError(
+                f"row tiles of {self.block_rows} rows over {self.rows} grouped rows (table "
+                f"{tuple(self.table.shape)}): the GEMM runs {block_rows}-row tiles over {rows} grouped rows "
+                f"of {experts} experts"
+            )
+
+
+def row_tiles(offs: torch.Tensor, block_rows: int, rows: int) -> RowTiles:
+    """RowTiles of the grouped rows of offs (int32 [E] on the device, rows in all) in one launch."""
+    return RowTiles(tile_map(offs, block_rows, RowTiles.count(rows, block_rows, offs.numel())), block_rows, rows)
 
 
 def stack_expert_weights(weights: list[NVFP4Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -757,6 +855,7 @@ def grouped_w4a4(
     num_stages: int = 3,
     use_asm: bool | None = None,
     a_rows: torch.Tensor | None = None,
+    tiles: RowTiles | None = None,
 ) -> torch.Tensor:
     """Grouped W4A4(+RAC) GEMM -> y [M, N] in out_dtype.
 
@@ -770,6 +869,8 @@ def grouped_w4a4(
     a_rows: int32/int64 [M'] optional: grouped row i reads activation row a_rows[i] (e.g. its token,
     with the operand made once per token: no gathered copy); y then has M' rows. Its values must lie
     in [0, M) (not checked: that would sync with the host).
+    tiles: RowTiles of offs in block_m-row tiles made beforehand (row_tiles, or the operand's .tiles);
+    None: one tile_map launch here.
     """
     e_count, n, k_half = w_codes.shape
     k = k_half * 2
@@ -786,7 +887,9 @@ def grouped_w4a4(
         raise NVFP4InputError(f"K={k} must be a multiple of block_k={block_k}")
     dev = w_codes.device
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m) + e_count)  # row tiles: an upper bound
-    tmap = tile_map(offs, block_m, grid[1])
+    if tiles is None:
+        tiles = row_tiles(offs, block_m, m)
+    tiles.check(m, block_m, e_count)
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
     has_res = not a_operand and qa.residual is not None
     if has_res:
@@ -816,7 +919,7 @@ def grouped_w4a4(
         w_scales,
         w_sdec,
         mask,
-        tmap,
+        tiles.table,
         offs if a_rows is None else a_rows,
         y,
         n,
@@ -833,6 +936,7 @@ def grouped_w4a4(
         BK=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl.launch_options(dev),
     )
     return y
 

@@ -22,9 +22,12 @@ Warp-specialized variant (_w4a4_wgmma_ws_kernel, wgmma_config's choice above 102
 loader partition (cp.async, per-slot mbarriers; one or two 128-K chunks per slot) fills the ring, the
 consumer warps only wait, decode, wgmma and free the slot (one partition, or one per consumer
 warpgroup: "split consumers"); with ctas_per_sm its CTAs persist and loop over the tiles. Every CTA
-finds its tile (expert, rows) in a tile map built by one small launch (w4a4_grouped.tile_map): one
-round trip, where a binary search over the experts took ~8 dependent loads. On the H200 the load
-path, not the decode or the MMA, is what most of its time goes to (benchmarks/NOTES.md).
+finds its tile (expert, rows) in a row-tile table (w4a4_grouped.RowTiles): one round trip, where a
+binary search over the experts took ~8 dependent loads. The table comes from the activation
+quantization's launch (moe_w4a4: one table for fc1 and fc2) or from a small launch of its own. Both
+kernels wait for the previous kernel before their first read and may be launched programmatically
+dependent (kernels/pdl.py). On the H200 the load path, not the decode or the MMA, is what most of its
+time goes to (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -34,14 +37,15 @@ import subprocess
 import warnings
 
 import torch
-import triton
+from quads_megatron.kernels import pdl
 from quads_megatron.kernels.sass_hazards import disassemble, wgmma_register_hazards
 from quads_megatron.kernels.w4a4_grouped import (
     WGMMA_CHUNK,
+    RowTiles,
     _nibble_ptx,
     check_wgmma_order,
     grouped_rows,
-    tile_map,
+    row_tiles,
 )
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -144,6 +148,16 @@ def _codes_layout(num_warps: int) -> gl.DistributedLinearLayout:
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 _PTX_LO = gl.constexpr(_nibble_ptx(False))
 _PTX_HI = gl.constexpr(_nibble_ptx(True))
+
+
+@gluon.jit
+def _wait_then_release(PDL: gl.constexpr):
+    """pdl.wait_then_release for Gluon: wait for the previous kernel's writes, then let the next one launch."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
 
 
 @gluon.jit
@@ -270,7 +284,9 @@ def _w4a4_wgmma_kernel(
     NW: gl.constexpr,
     CODES_LAYOUT: gl.constexpr,
     MASK_ROWS: gl.constexpr,
+    PDL: gl.constexpr,
 ):
+    _wait_then_release(PDL)
     BNW: gl.constexpr = 64 * (NW // 4)
     NK: gl.constexpr = K // (128 * KC)  # k-steps of KC chunks
     pid = gl.program_id(1)  # N tiles vary fastest: a token tile's rows are re-read from L2, not HBM
@@ -355,6 +371,7 @@ def _ws_loader(
     BNW: gl.constexpr,
     LW: gl.constexpr,
     MASK_ROWS: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """Worker partition (LW warps): for each of this CTA's tiles, cp.async each k-step's activation rows,
     code and scale bytes (KC 128-K chunks, one ring buffer each) into the next ring slot once the
@@ -376,6 +393,7 @@ def _ws_loader(
         gl.arange(0, BNW, layout=gl.SliceLayout(1, s_copy))[:, None] * (K // 16)
         + gl.arange(0, 8, layout=gl.SliceLayout(0, s_copy))[None, :]
     )
+    _wait_then_release(PDL)
     n_tiles = N // BNW
     it = 0  # k-steps issued by this CTA so far: ring slot and phase
     for t in range(gl.program_id(0), gl.load(tmap_ptr + 3) * n_tiles, P):
@@ -486,6 +504,7 @@ def _ws_consumer(
     OVERLAP: gl.constexpr,
     ROW0: gl.constexpr,
     NARROW: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """Consumer partition (NW warps, 64 weight rows per warpgroup, from the slot's row ROW0: split
     consumers are one partition per warpgroup): each of this CTA's tiles by _ws_tile. NARROW: a tile
@@ -493,6 +512,7 @@ def _ws_consumer(
     rows; the rest are padding) and a half-width epilogue. OVERLAP needs registers for two decoded
     chunks: at the 104 consumer registers of a two-CTAs-per-SM launch ptxas serializes every wgmma
     instead (128 sufficed at BT32, 176 at BT64, 240 at BT128; sass_wgmma.py)."""
+    _wait_then_release(PDL)
     n_tiles = N // w_smem.shape[1]  # N tiles of the CTA's weight rows (all consumer partitions)
     it = 0  # k-steps consumed by this CTA so far
     for t in range(gl.program_id(0), gl.load(tmap_ptr + 3) * n_tiles, P):
@@ -537,6 +557,7 @@ def _w4a4_wgmma_ws_kernel(
     CONSUMER_REGS: gl.constexpr,
     MASK_ROWS: gl.constexpr,
     NARROW: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """Warp-specialized variant of _w4a4_wgmma_kernel (KC 128-K chunks per ring slot, 1-step runs): LW
     loader warps fill the ring by cp.async and per-slot mbarriers, the NW consumer warps only decode and
@@ -557,12 +578,12 @@ def _w4a4_wgmma_ws_kernel(
     if SPLIT:  # one consumer partition per warpgroup (NW == 8): each runs ahead on its own (see _ws_consumer)
         gl.warp_specialize(
             [
-                (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr,
-                                y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 0, NARROW)),
-                (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr,
-                                y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 64, NARROW)),
+                (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr,
+                                N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 0, NARROW, PDL)),
+                (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr,
+                                N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 64, NARROW, PDL)),
                 (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, ready, empty, N, P,
-                              K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS)),
+                              K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, PDL)),
             ],
             [4, LW],
             [CONSUMER_REGS, LOADER_REGS],
@@ -570,10 +591,10 @@ def _w4a4_wgmma_ws_kernel(
     else:
         gl.warp_specialize(  # (argument tuples inline: a tuple variable would turn the constexprs into tensors)
             [
-                (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr,
-                                y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, NW, CODES_LAYOUT, OVERLAP, 0, NARROW)),
+                (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr,
+                                N, P, wsdec_stride, K, HAS_AROWS, BT, NW, CODES_LAYOUT, OVERLAP, 0, NARROW, PDL)),
                 (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, ready, empty, N, P,
-                              K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS)),
+                              K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, PDL)),
             ],
             [LW],
             [LOADER_REGS],
@@ -674,6 +695,7 @@ def grouped_w4a4_wgmma(
     split: bool | None = None,
     mask_rows: bool | None = None,
     narrow: bool | None = None,
+    tiles: RowTiles | None = None,
 ) -> torch.Tensor:
     """y [rows, N] = S_dec_a * S_dec_w[e] * (A @ W_e^T) for the grouped rows of offs (see grouped_w4a4).
 
@@ -693,7 +715,9 @@ def grouped_w4a4_wgmma(
     re-reads that one row; at 256 tokens half of each tile's rows; None: wgmma_config's, on); narrow
     (warp-specialized kernel, block_t >= 32): a tile whose expert has at most block_t / 2 rows left runs
     half-width wgmmas and epilogue (at 256 tokens about half the tiles; None: wgmma_config's for the
-    configured kernel (loader_warps not given) with block_t >= 32, off for tiles given with loader warps).
+    configured kernel (loader_warps not given) with block_t >= 32, off for tiles given with loader warps);
+    tiles: RowTiles of offs in block_t-row tiles made beforehand (w4a4_grouped.row_tiles, or the
+    activation operand's .tiles; block_rows must be this call's block_t); None: one tile_map launch here.
 
     Each compiled tile's SASS is checked once (sass_hazards): multi-step runs whose wgmma register
     operand could be rewritten in flight (or whose SASS cannot be read) fall back to 1-step runs,
@@ -736,15 +760,18 @@ def grouped_w4a4_wgmma(
             f"loader warps and num_warps 8 only), narrow={narrow} (with loader warps and block_t >= 32 only)"
         )
     dev = w_codes.device
+    if tiles is None:
+        tiles = row_tiles(offs, block_t, m)
+    tiles.check(m, block_t, e_count)
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
-    grid = (n // (ROWS_PER_WARPGROUP * num_warps // 4), triton.cdiv(m, block_t) + e_count)  # row tiles: a bound
+    grid = (n // (ROWS_PER_WARPGROUP * num_warps // 4), tiles.table.shape[0])  # row tiles: an upper bound
     args = (
         values,
         global_decode.reshape(-1).float(),
         w_codes,
         w_scales,
         w_sdec,
-        tile_map(offs, block_t, grid[1]),
+        tiles.table,
         offs if a_rows is None else a_rows,
         y,
         n,
@@ -752,6 +779,7 @@ def grouped_w4a4_wgmma(
     )
     consts = dict(K=k, HAS_AROWS=a_rows is not None, BT=block_t, MASK_ROWS=mask_rows)
     consts.update(STAGES=stages, NW=num_warps, CODES_LAYOUT=_codes_layout(num_warps), num_warps=num_warps)
+    consts.update(pdl.launch_options(dev))
     if maxnreg:
         consts["maxnreg"] = maxnreg
     if loader_warps:

@@ -222,30 +222,56 @@ def hopper_gemm_usable(device: torch.device, weights: ExpertWeights, rows: int |
     return usable and (rows is None or wg.faster_than_triton(rows))
 
 
-def _expert_gemm(op, offs, codes, scales, sdec, out_dtype, a_rows=None):
+def _gemm_block_rows(rows: int, n: int, k: int, wgmma: bool, out_dtype: torch.dtype) -> int:
+    """Row-tile height the expert GEMM will run at this many grouped rows (its tile config)."""
+    if wgmma:
+        from quads_megatron.kernels import w4a4_wgmma as wg
+
+        return wg.wgmma_config(rows, n, out_dtype)["block_t"]
+    from quads_megatron.kernels import w4a4_grouped as kg
+
+    return kg.gemm_config(rows, k)["block_m"]
+
+
+def _expert_gemm(op, offs, codes, scales, sdec, out_dtype, a_rows=None, tiles=None):
     from quads_megatron.kernels import w4a4_grouped as kg
 
     if op.order == "wgmma":
         from quads_megatron.kernels import w4a4_wgmma as wg
 
-        return wg.grouped_w4a4_wgmma(op.values, op.global_decode, offs, codes, scales, sdec, out_dtype, a_rows)
+        return wg.grouped_w4a4_wgmma(
+            op.values, op.global_decode, offs, codes, scales, sdec, out_dtype, a_rows, tiles=tiles
+        )
     rows = op.values.shape[0] if a_rows is None else a_rows.numel()
     cfg = kg.gemm_config(rows, codes.shape[2] * 2)
-    return kg.grouped_w4a4(op, offs, codes, scales, sdec, out_dtype=out_dtype, a_rows=a_rows, **cfg)
+    return kg.grouped_w4a4(op, offs, codes, scales, sdec, out_dtype=out_dtype, a_rows=a_rows, tiles=tiles, **cfg)
 
 
 def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, wgmma):
     """fc1 reads the per-token operand through the grouped rows' token index (no gathered copy);
-    SiLU(gate) * up and the foreign-row mask are fused into fc2's activation quantization.
-    wgmma: operands in the Gluon kernel's order, GEMMs on it."""
+    SiLU(gate) * up and the foreign-row mask are fused into fc2's activation quantization. fc1's
+    quantization launch also writes the GEMMs' row-tile table, shared by fc2 where its tiles are as
+    tall (no launch of its own). wgmma: operands in the Gluon kernel's order, GEMMs on it."""
     from quads_megatron.kernels import w4a4_grouped as kg
 
     g1, g2 = rac.fc1, rac.fc2
     order = "wgmma" if wgmma else "pairs"
+    rows, h, i = tokens.numel(), weights.hidden, weights.intermediate
+    bt1 = _gemm_block_rows(rows, 2 * i, h, wgmma, x.dtype)
+    bt2 = _gemm_block_rows(rows, h, i, wgmma, x.dtype)
     op = kg.activation_operand(  # once per token
-        x, g1.plan, static_amax[0], check=check, block_mask=g1.mask, dynamic_channels=g1.dynamic_channels, order=order
+        x,
+        g1.plan,
+        static_amax[0],
+        check=check,
+        block_mask=g1.mask,
+        dynamic_channels=g1.dynamic_channels,
+        order=order,
+        row_tiles=(offs, bt1, rows),
     )
-    y1 = _expert_gemm(op, offs, weights.w13_codes, weights.w13_scales, weights.w13_sdec, x.dtype, a_rows=tokens)
+    y1 = _expert_gemm(
+        op, offs, weights.w13_codes, weights.w13_scales, weights.w13_sdec, x.dtype, a_rows=tokens, tiles=op.tiles
+    )
     op2 = kg.activation_operand(  # of gated_activation(y1), zero on foreign rows; finite by construction
         y1,
         g2.plan,
@@ -256,5 +282,7 @@ def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activatio
         gated=True,
         row_valid=valid,
         order=order,
+        row_tiles=None if bt2 == bt1 else (offs, bt2, rows),
     )
-    return _expert_gemm(op2, offs, weights.w2_codes, weights.w2_scales, weights.w2_sdec, x.dtype)
+    tiles2 = op.tiles if bt2 == bt1 else op2.tiles
+    return _expert_gemm(op2, offs, weights.w2_codes, weights.w2_scales, weights.w2_sdec, x.dtype, tiles=tiles2)

@@ -132,6 +132,39 @@ def test_moe_block_captures_in_a_cuda_graph():
     assert torch.equal(out, moe_w4a4(x2, ids2, tw2, w, r, check=False))
 
 
+@pytest.mark.parametrize("impl", ["triton", "wgmma"])
+@pytest.mark.parametrize("tokens", [16, 300])
+def test_programmatic_dependent_launch_changes_no_bit(monkeypatch, impl, tokens):
+    """The block with its kernels launched programmatically dependent (kernels/pdl.py: each waits for the
+    previous one's writes before its first read) equals the block launched plainly, eagerly and replayed
+    from a CUDA graph (programmatic edges), at sizes running both GEMMs' kernels (300 tokens: 2400 rows,
+    the warp-specialized Gluon kernel)."""
+    from quads_megatron.kernels import pdl
+    from quads_megatron.moe_w4a4 import GemmRAC, LayerRAC, moe_w4a4
+
+    x, ids, tw, w = moe_case(tokens, seed=3)
+    r = LayerRAC(GemmRAC(dynamic_channels=H // 2), GemmRAC(dynamic_channels=INTER // 2))
+    monkeypatch.setenv("QUADS_PDL", "0")
+    assert not pdl.enabled(x.device)
+    plain = moe_w4a4(x, ids, tw, w, r, check=False, impl=impl)
+    monkeypatch.setenv("QUADS_PDL", "1")
+    assert pdl.enabled(x.device)
+    assert torch.equal(moe_w4a4(x, ids, tw, w, r, check=False, impl=impl), plain)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe_w4a4(x, ids, tw, w, r, check=False, impl=impl)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_w4a4(x, ids, tw, w, r, check=False, impl=impl)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
+
+
 def test_fused_block_pieces_on_gpu():
     """Token-indexed fc1 rows (bit for bit), SiLU*up fused into fc2's quantization (GPU exp is Triton's
     own, so a few h values may round differently than torch's silu), the combine kernel."""

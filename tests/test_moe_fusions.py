@@ -115,3 +115,40 @@ def test_tile_map(bm):
     tiles = int(offs[-1]) // bm + 40
     assert kg.tile_map(offs, bm, tiles).tolist() == _tile_map_reference(offs.tolist(), bm, tiles)
     assert kg.tile_map(torch.zeros(4, dtype=torch.int32), bm, 4).tolist() == [[-1, 0, 0, 0]] * 4
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_row_tiles_written_by_the_activation_launch(gated):
+    """activation_operand(row_tiles=...) writes the GEMM's tile table from extra programs of its own launch
+    (32 tiles each): the table equals tile_map's, and the operand is unchanged bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    counts = torch.randint(0, 5, (70,), generator=g)
+    counts[::4] = 0
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    rows = int(offs[-1])
+    x = (torch.randn(rows, 2 * K if gated else K, generator=g) * 3).bfloat16()
+    plain = kg.activation_operand(x, gated=gated, block_m=16)
+    op = kg.activation_operand(x, gated=gated, block_m=16, row_tiles=(offs, 16, rows))
+    assert plain.tiles is None and op.tiles.block_rows == 16
+    assert torch.equal(op.values, plain.values) and torch.equal(op.global_decode, plain.global_decode)
+    want = kg.RowTiles.count(rows, 16, offs.numel())
+    assert op.tiles.table.shape == (want, 4) and want > 2 * 32  # several tile-map programs
+    assert op.tiles.table.tolist() == _tile_map_reference(offs.tolist(), 16, want)
+
+
+def test_grouped_gemm_takes_row_tiles_made_beforehand():
+    """The GEMM with a shared tile table (as moe_w4a4's fc1 and fc2) equals the GEMM making its own; a
+    table made for other tiles or another row count is refused before anything runs."""
+    g, x, ids, ws = _setup(2)
+    order, offs, _ = route(ids, E)
+    tokens = order // TOPK
+    wc, wsc, wsd = kg.stack_expert_weights(ws)
+    op = kg.activation_operand(x, row_tiles=(offs, 16, tokens.numel()))
+    own = kg.grouped_w4a4(op, offs, wc, wsc, wsd, block_m=16, block_k=64, a_rows=tokens)
+    shared = kg.grouped_w4a4(op, offs, wc, wsc, wsd, block_m=16, block_k=64, a_rows=tokens, tiles=op.tiles)
+    done = int(offs[-1])  # rows past the last expert (the foreign slot) are not written
+    assert torch.equal(own[:done], shared[:done])
+    with pytest.raises(NVFP4InputError, match="row tiles of 16 rows"):
+        kg.grouped_w4a4(op, offs, wc, wsc, wsd, block_m=32, block_k=64, a_rows=tokens, tiles=op.tiles)
+    with pytest.raises(NVFP4InputError, match="row tiles of 16 rows"):
+        kg.grouped_w4a4(op, offs, wc, wsc, wsd, block_m=16, block_k=64, a_rows=tokens[:-5], tiles=op.tiles)
