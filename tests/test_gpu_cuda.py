@@ -140,6 +140,7 @@ def test_programmatic_dependent_launch_changes_no_bit(monkeypatch, impl, tokens)
     from a CUDA graph (programmatic edges), at sizes running both GEMMs' kernels (300 tokens: 2400 rows,
     the warp-specialized Gluon kernel)."""
     from quads_megatron.kernels import pdl
+
     from quads_megatron.moe_w4a4 import GemmRAC, LayerRAC, moe_w4a4
 
     x, ids, tw, w = moe_case(tokens, seed=3)
