@@ -41,23 +41,18 @@ from quads_megatron.kernels import w4a4_wgmma as wg
 sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.probe_wgmma_tiles import HIDDEN, INTER, bench, fc1_rows, fc1_weights  # noqa: E402
 
-FENCE = """            hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
+FENCE = """        hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
 """
-STEP = """            for ch in gl.static_range(KC):
-                acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT, ROW0)
-                if OVERLAP and (jj < RUN - 1 or ch < KC - 1):
-                    acc = hopper.warpgroup_mma_wait(1, deps=[acc])
-                else:
-                    acc = hopper.warpgroup_mma_wait(0, deps=[acc])
-                if OVERLAP and ch == 0 and jj > 0:  # the previous slot's last wgmma has just retired
-                    mbarrier.arrive(empty.index(prev), count=1)
-            if not OVERLAP or jj == RUN - 1:  # all of this slot's wgmmas have retired
-                mbarrier.arrive(empty.index(slot), count=1)
-"""  # a k-step of the warp-specialized consumer: its chunks, then the slot freed (the rewrites free each slot)
-FREE = "            mbarrier.arrive(empty.index(slot), count=1)\n"
+STEP = """        for ch in gl.static_range(KC):
+            acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT, ROW0)
+            if OVERLAP and ch < KC - 1:
+                acc = hopper.warpgroup_mma_wait(1, deps=[acc])
+            else:
+                acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+"""
 TILE_HEAD = """    acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
 """
-LOOP_HEAD = """    for _ in range(K // (128 * KC * RUN)):
+LOOP_HEAD = """    for _ in range(K // (128 * KC)):
 """  # the warp-specialized consumer's K loop head (unique: the one-partition kernel loops over runs)
 A_LAYOUT = "gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)"
 DECODE = """_decode_a(w_smem.index({s}).reshape([BNW, 8, 8]).load(CODES_LAYOUT),
@@ -82,14 +77,14 @@ B_LAYOUT = "gl.NVMMASharedLayout.get_default_for([BT, 128], gl.float16)"
 GRID = "_sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub"
 LOADER_REGS = "loader_regs = ws_loader_regs(block_t, loader_warps, chunks)"
 FIXED_TILES = [
-    (FENCE + STEP, FREE),
+    (FENCE + STEP, ""),
     (EPILOGUE, "    pass\n"),
     (LOOKUP, FIXED),
     (BOUND, "128 * n_tiles", 2),  # the tile loops of the loader and the consumers
 ]
 VARIANTS = {
-    "loads only": [(FENCE + STEP, FREE)],
-    "loads only, no epilogue": [(FENCE + STEP, FREE), (EPILOGUE, "    pass\n")],
+    "loads only": [(FENCE + STEP, "")],
+    "loads only, no epilogue": [(FENCE + STEP, ""), (EPILOGUE, "    pass\n")],
     # the 256-token workload's tiles (128 experts x 16 rows) from pid alone: no tile-map or row-count load
     "loads only, no epilogue, fixed tiles": FIXED_TILES,
     # ... and a grid of exactly those 1536 tiles (the host launches the row-tile bound: 768 more, empty)
@@ -114,22 +109,21 @@ VARIANTS = {
         ),
         (
             STEP,
-            "            for ch in gl.static_range(KC):\n"
-            "                b = b_smem.index(slot * KC + ch).permute((1, 0))\n"
-            "                acc = hopper.warpgroup_mma(a, b, acc, is_async=True)\n"
-            "                acc = hopper.warpgroup_mma_wait(0, deps=[acc])\n" + FREE,
+            "        for ch in gl.static_range(KC):\n"
+            "            b = b_smem.index(slot * KC + ch).permute((1, 0))\n"
+            "            acc = hopper.warpgroup_mma(a, b, acc, is_async=True)\n"
+            "            acc = hopper.warpgroup_mma_wait(0, deps=[acc])\n",
         ),
     ],
     "no loads, no decode": [],  # filled in below: both rewrites
     "no MMA": [
         (
             STEP,
-            "            for ch in gl.static_range(KC):\n"
-            "                a = "
+            "        for ch in gl.static_range(KC):\n"
+            "            a = "
             + DECODE.format(s="slot * KC + ch", layout=A_LAYOUT)
-            + "\n                acc += gl.convert_layout(gl.sum(a.to(gl.float32), axis=1),"
-            + " gl.SliceLayout(1, mma))[:, None]\n"
-            + FREE,
+            + "\n            acc += gl.convert_layout(gl.sum(a.to(gl.float32), axis=1),"
+            + " gl.SliceLayout(1, mma))[:, None]\n",
         )
     ],
 }

@@ -62,10 +62,9 @@ def report(
 
     from benchmarks.sass_gemm_loop import registers_per_thread
 
-    if loader_warps:  # the warp-specialized kernel: unroll > 1: chunks of a run overlap (ws_run)
-        overlap, unroll = wg.ws_run(k, chunks, unroll)  # unroll: 128-K chunks per run -> k-steps per run
+    if loader_warps:  # the warp-specialized kernel: 1-step runs; unroll > 1: a slot's chunks overlap
+        overlap, unroll = wg.ws_overlap(chunks, unroll), 1
         consts = dict(K=k, HAS_AROWS=True, BT=block_t, STAGES=stages, KC=chunks, NW=num_warps, OVERLAP=overlap)
-        consts["RUN"] = unroll
         consts.update(MASK_ROWS=mask_rows, NARROW=narrow, A_I64=False, PDL=pdl)
         consts.update(wg.ws_launch_consts(block_t, num_warps, chunks, loader_warps, maxnreg, split))
     else:

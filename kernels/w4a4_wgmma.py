@@ -450,38 +450,30 @@ def _ws_tile(
     CODES_LAYOUT: gl.constexpr,
     OVERLAP: gl.constexpr,
     ROW0: gl.constexpr,
-    RUN: gl.constexpr = 1,
 ):
     """One tile of a consumer partition, from ring k-step `it` on: per k-step wait for its slot; per
     128-K chunk decode the codes into wgmma's register operand, wgmma against the slot's first BT
     activation rows and retire it (wait(0)), or with OVERLAP leave it in flight under the next chunk's
-    decode (wait(1)) inside a straight-line run of RUN k-steps: there a slot is freed once its last
-    wgmma retired, under the next slot's first decode; the run's last chunk retires all (nothing in
-    flight across the back edge). Then the tile's epilogue: y rows t0 .. t0 + BT, the 64 * NW / 4
-    columns of this partition in N tile t % n_tiles. Returns the ring's next k-step."""
+    decode inside the slot (wait(1); the slot's last chunk retires all: nothing in flight across the
+    back edge); free the slot. Then the tile's epilogue: y rows t0 .. t0 + BT, the 64 * NW / 4 columns of
+    this partition in N tile t % n_tiles. Returns the ring's next k-step."""
     BNW: gl.constexpr = 64 * (NW // 4)
     STAGES: gl.constexpr = ready.shape[0]
     KC: gl.constexpr = b_smem.shape[0] // STAGES
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16])
     acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
-    for _ in range(K // (128 * KC * RUN)):
-        prev = it % STAGES
-        for jj in gl.static_range(RUN):
-            slot = it % STAGES
-            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-            hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
-            for ch in gl.static_range(KC):
-                acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT, ROW0)
-                if OVERLAP and (jj < RUN - 1 or ch < KC - 1):
-                    acc = hopper.warpgroup_mma_wait(1, deps=[acc])
-                else:
-                    acc = hopper.warpgroup_mma_wait(0, deps=[acc])
-                if OVERLAP and ch == 0 and jj > 0:  # the previous slot's last wgmma has just retired
-                    mbarrier.arrive(empty.index(prev), count=1)
-            if not OVERLAP or jj == RUN - 1:  # all of this slot's wgmmas have retired
-                mbarrier.arrive(empty.index(slot), count=1)
-            prev = slot
-            it += 1
+    for _ in range(K // (128 * KC)):
+        slot = it % STAGES
+        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
+        for ch in gl.static_range(KC):
+            acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT, ROW0)
+            if OVERLAP and ch < KC - 1:
+                acc = hopper.warpgroup_mma_wait(1, deps=[acc])
+            else:
+                acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index(slot), count=1)
+        it += 1
     n0 = (t % n_tiles) * w_smem.shape[1] + ROW0
     _store_tile(
         acc, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, e, t0, n0, row_end, N, wsdec_stride, HAS_AROWS, BT, NW, mma
@@ -513,15 +505,13 @@ def _ws_consumer(
     ROW0: gl.constexpr,
     NARROW: gl.constexpr,
     PDL: gl.constexpr,
-    RUN: gl.constexpr,
 ):
     """Consumer partition (NW warps, 64 weight rows per warpgroup, from the slot's row ROW0: split
     consumers are one partition per warpgroup): each of this CTA's tiles by _ws_tile. NARROW: a tile
     whose expert has at most BT / 2 rows left runs half-width wgmmas (the slot's first BT / 2 activation
     rows; the rest are padding) and a half-width epilogue. OVERLAP needs registers for two decoded
     chunks: at the 104 consumer registers of a two-CTAs-per-SM launch ptxas serializes every wgmma
-    instead (128 sufficed at BT32, 176 at BT64, 240 at BT128; sass_wgmma.py). RUN: k-steps per
-    straight-line run (see _ws_tile)."""
+    instead (128 sufficed at BT32, 176 at BT64, 240 at BT128; sass_wgmma.py)."""
     _wait_then_release(PDL)
     n_tiles = N // w_smem.shape[1]  # N tiles of the CTA's weight rows (all consumer partitions)
     it = 0  # k-steps consumed by this CTA so far
@@ -531,11 +521,11 @@ def _ws_consumer(
         if NARROW and row_end - t0 <= BT // 2:  # (NARROW False: no branch, the wide tile alone)
             it = _ws_tile(b_smem, w_smem, s_smem, ready, empty, it, t, n_tiles, e, t0, row_end, arows_ptr,
                           asdec_ptr, wsdec_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT // 2, NW,
-                          CODES_LAYOUT, OVERLAP, ROW0, RUN)
+                          CODES_LAYOUT, OVERLAP, ROW0)
         else:
             it = _ws_tile(b_smem, w_smem, s_smem, ready, empty, it, t, n_tiles, e, t0, row_end, arows_ptr,
                           asdec_ptr, wsdec_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT, NW,
-                          CODES_LAYOUT, OVERLAP, ROW0, RUN)
+                          CODES_LAYOUT, OVERLAP, ROW0)
         # fmt: on
 
 
@@ -568,9 +558,8 @@ def _w4a4_wgmma_ws_kernel(
     MASK_ROWS: gl.constexpr,
     NARROW: gl.constexpr,
     PDL: gl.constexpr,
-    RUN: gl.constexpr,
 ):
-    """Warp-specialized variant of _w4a4_wgmma_kernel (KC 128-K chunks per ring slot, RUN-step runs): LW
+    """Warp-specialized variant of _w4a4_wgmma_kernel (KC 128-K chunks per ring slot, 1-step runs): LW
     loader warps fill the ring by cp.async and per-slot mbarriers, the NW consumer warps only decode and
     issue wgmma; no CTA-wide barrier. Triton puts a partition-wide barrier before every mbarrier wait,
     so one consumer partition's warpgroups move in step; SPLIT (NW == 8) makes each warpgroup its own
@@ -590,11 +579,9 @@ def _w4a4_wgmma_ws_kernel(
         gl.warp_specialize(
             [
                 (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr,
-                                N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 0, NARROW, PDL,
-                                RUN)),
+                                N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 0, NARROW, PDL)),
                 (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr,
-                                N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 64, NARROW, PDL,
-                                RUN)),
+                                N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 64, NARROW, PDL)),
                 (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, ready, empty, N, P,
                               K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, PDL)),
             ],
@@ -605,8 +592,7 @@ def _w4a4_wgmma_ws_kernel(
         gl.warp_specialize(  # (argument tuples inline: a tuple variable would turn the constexprs into tensors)
             [
                 (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr,
-                                N, P, wsdec_stride, K, HAS_AROWS, BT, NW, CODES_LAYOUT, OVERLAP, 0, NARROW, PDL,
-                                RUN)),
+                                N, P, wsdec_stride, K, HAS_AROWS, BT, NW, CODES_LAYOUT, OVERLAP, 0, NARROW, PDL)),
                 (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, ready, empty, N, P,
                               K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, PDL)),
             ],
@@ -651,17 +637,10 @@ def ws_launch_consts(
     )
 
 
-def ws_run(k: int, chunks: int, unroll: int) -> tuple[bool, int]:
-    """(overlap, k-steps per straight-line run) of the warp-specialized kernel for unroll 128-K chunks
-    per run: overlap keeps each chunk's wgmma in flight under the next chunk's decode inside a run
-    (unroll > 1 and at least two chunks in a run); a run spans unroll // chunks ring slots (run_length:
-    a divisor of the K loop's steps leaving at least two runs), freeing each slot under the next one's
-    first decode. unroll 2 with 2 chunks per slot: one slot per run, its first chunk in flight under
-    the second one's decode."""
-    if unroll <= 1:
-        return False, 1
-    run = run_length(k, chunks, max(1, unroll // chunks))
-    return chunks * run > 1, run
+def ws_overlap(chunks: int, unroll: int) -> bool:
+    """Whether the warp-specialized kernel (1-step runs) keeps a slot's first chunk's wgmma in flight under
+    the second one's decode: asked for by unroll > 1, possible with 2 chunks per slot."""
+    return chunks == 2 and unroll > 1
 
 
 def faster_than_triton(rows: int) -> bool:
@@ -680,7 +659,7 @@ def run_length(k: int, chunks: int, unroll: int) -> int:
 
 
 _SASS_CHECKED: dict[str, list[str] | None] = {}  # compiled kernel hash -> hazards (None: SASS unreadable)
-_ONE_STEP_RUNS: set[tuple] = set()  # tiles whose multi-step runs (or overlapped chunks) were unsafe or unverifiable
+_ONE_STEP_RUNS: set[tuple] = set()  # tiles whose multi-step runs (or in-slot overlap) were unsafe or unverifiable
 
 
 def _register_hazards(kernel) -> list[str] | None:
@@ -726,15 +705,14 @@ def grouped_w4a4_wgmma(
     chunks per pipeline step (1 or 2; 1 where K is not a multiple of 256); unroll: k-steps per
     straight-line run (run_length); maxnreg: a register cap per thread (None: ptxas decides; the
     warp-specialized kernel's cap is the launch's, split between its partitions); loader_warps: > 0
-    runs the warp-specialized kernel with that many cp.async loader warps (there unroll counts 128-K
-    chunks per straight-line run, each chunk's wgmma in flight under the next one's decode, across ring
-    slots when unroll > chunks: ws_run; 0 the single-partition kernel); ctas_per_sm: its CTAs persist, SMs *
-    ctas_per_sm of them looping over the tiles (0: one CTA per tile); split: its two consumer warpgroups
-    (num_warps 8) run as two partitions, each on its own 64 weight rows of every slot, instead of one
-    partition kept in step by a barrier per k-step (ws_consumer_regs: their register share); mask_rows:
-    activation rows past an expert's rows are zero-filled by the copy instead of read from row 0
-    (every CTA with a partial tile re-reads that one row; at 256 tokens half of each tile's rows; None:
-    wgmma_config's, on); narrow
+    runs the warp-specialized kernel with that many cp.async loader warps (1-step runs; there unroll > 1
+    with 2 chunks keeps each slot's first chunk's wgmma in flight under the second one's decode; 0 the
+    single-partition kernel); ctas_per_sm: its CTAs persist, SMs * ctas_per_sm of them looping over
+    the tiles (0: one CTA per tile); split: its two consumer warpgroups (num_warps 8) run as two
+    partitions, each on its own 64 weight rows of every slot, instead of one partition kept in step by
+    a barrier per k-step (ws_consumer_regs: their register share); mask_rows: activation rows past an
+    expert's rows are zero-filled by the copy instead of read from row 0 (every CTA with a partial tile
+    re-reads that one row; at 256 tokens half of each tile's rows; None: wgmma_config's, on); narrow
     (warp-specialized kernel, block_t >= 32): a tile whose expert has at most block_t / 2 rows left runs
     half-width wgmmas and epilogue (at 256 tokens about half the tiles; None: wgmma_config's for the
     configured kernel (loader_warps not given) with block_t >= 32, off for tiles given with loader warps);
@@ -767,7 +745,7 @@ def grouped_w4a4_wgmma(
     split, mask_rows, narrow = bool(split), cfg["mask_rows"] if mask_rows is None else bool(mask_rows), bool(narrow)
     if k % (CHUNK * chunks) or (loader_warps and k // (CHUNK * chunks) < 2):  # a 1-step K loop does not lower
         chunks = 1
-    overlap, run = ws_run(k, chunks, unroll or cfg["unroll"]) if loader_warps else (False, 1)
+    overlap = bool(loader_warps) and ws_overlap(chunks, unroll or cfg["unroll"])
     unroll = 1 if loader_warps else run_length(k, chunks, unroll or cfg["unroll"])
     min_stages = 2 if unroll == 1 else 3  # at least one k-step in flight ahead (see AHEAD in the kernel)
     bad_warps = num_warps not in ((4, 8, 16) if loader_warps else (4, 8)) or n % (ROWS_PER_WARPGROUP * num_warps // 4)
@@ -810,12 +788,12 @@ def grouped_w4a4_wgmma(
         tiles_ub = grid[0] * grid[1]  # row tiles are known on the device only: their upper bound
         p = min(tiles_ub, _sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub
         tile = ("ws", k, a_rows is not None, block_t, stages, num_warps, loader_warps, maxnreg, out_dtype)
-        tile += (split, mask_rows, bool(narrow), chunks, run)
+        tile += (split, mask_rows, bool(narrow))
         _launch_verified(
-            lambda risky: _w4a4_wgmma_ws_kernel[(p,)](*args, p, OVERLAP=risky, RUN=run if risky else 1, **consts),
+            lambda risky: _w4a4_wgmma_ws_kernel[(p,)](*args, p, OVERLAP=risky, **consts),
             overlap,
             tile,
-            "overlapped chunks",
+            "in-slot overlap",
             "retiring each chunk",
         )
         return y
@@ -833,7 +811,7 @@ def grouped_w4a4_wgmma(
 
 def _launch_verified(launch, risky: bool, tile: tuple, what: str, safe: str) -> None:
     """launch(risky) -> the compiled kernel, its SASS checked (sass_hazards). risky: the form that keeps
-    a wgmma in flight under the next decode (multi-step runs, overlapped chunks). Where that form shows a
+    a wgmma in flight under the next decode (multi-step runs, in-slot overlap). Where that form shows a
     register hazard or its SASS cannot be read: warn, remember the tile (never risky again) and relaunch
     the safe form; a hazard there raises RuntimeError rather than return a wrong tile."""
     risky = risky and tile not in _ONE_STEP_RUNS
