@@ -52,12 +52,22 @@ def e2m1_code(v):
 
 
 @triton.jit
-def nvfp4_block_encode(x0, x1, s_enc, s_dec, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Encode even/odd elements x0, x1 [BLOCK_M, BLOCK_K/2] (fp32) with per-row S_enc/S_dec [BLOCK_M].
+def e2m1_round(v):
+    """v: fp32 already clamped to [-6, 6] -> its E2M1 value (RNE, ties to even) as fp32, the value of
+    e2m1_code(v) without the code: one add and subtract of 2^(22 + binade) (ulp 0.5 below 2, 1 below
+    4, 2 up to 6, where the E2M1 grid is uniform and even codes are even multiples of the ulp)."""
+    a = tl.abs(v)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 255) - 127, 0)  # 0: [0, 2), 1: [2, 4), 2: [4, 6]
+    magic = ((e + 149) << 23).to(tl.float32, bitcast=True)  # 2^(e + 22)
+    r = (a + magic) - magic
+    return tl.where(v < 0.0, -r, r)
 
-    Returns (packed bytes int32 [BLOCK_M, BLOCK_K/2], scale codes int32 [BLOCK_M, BLOCK_K/16],
-    scale values fp32 [BLOCK_M, BLOCK_K/16]).
-    """
+
+@triton.jit
+def nvfp4_block_scaled(x0, x1, s_enc, s_dec, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Block scales of even/odd elements x0, x1 [BLOCK_M, BLOCK_K/2] (fp32) with per-row S_enc/S_dec
+    [BLOCK_M], and the elements in E2M1 range: (x0, x1 times 1 / (s_b * S_dec), clamped to [-6, 6],
+    fp32 [BLOCK_M, BLOCK_K/2]; scale codes int32 and scale values fp32 [BLOCK_M, BLOCK_K/16])."""
     HALF: tl.constexpr = BLOCK_K // 2
     NB: tl.constexpr = BLOCK_K // 16
     a = tl.maximum(tl.abs(x0), tl.abs(x1))
@@ -66,9 +76,20 @@ def nvfp4_block_encode(x0, x1, s_enc, s_dec, BLOCK_M: tl.constexpr, BLOCK_K: tl.
     sb, sb_code = e4m3_rne(tl.minimum(bmax * mult[:, None], 448.0))
     enc = tl.minimum(tl.div_rn(tl.full(sb.shape, 1.0, tl.float32), sb * s_dec[:, None]), FP32_MAX)
     enc_full = tl.reshape(tl.broadcast_to(enc[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
-    c0 = e2m1_code(tl.minimum(tl.maximum(x0 * enc_full, -6.0), 6.0))
-    c1 = e2m1_code(tl.minimum(tl.maximum(x1 * enc_full, -6.0), 6.0))
-    return c0 | (c1 << 4), sb_code, sb
+    y0 = tl.minimum(tl.maximum(x0 * enc_full, -6.0), 6.0)
+    y1 = tl.minimum(tl.maximum(x1 * enc_full, -6.0), 6.0)
+    return y0, y1, sb_code, sb
+
+
+@triton.jit
+def nvfp4_block_encode(x0, x1, s_enc, s_dec, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Encode even/odd elements x0, x1 [BLOCK_M, BLOCK_K/2] (fp32) with per-row S_enc/S_dec [BLOCK_M].
+
+    Returns (packed bytes int32 [BLOCK_M, BLOCK_K/2], scale codes int32 [BLOCK_M, BLOCK_K/16],
+    scale values fp32 [BLOCK_M, BLOCK_K/16]).
+    """
+    y0, y1, sb_code, sb = nvfp4_block_scaled(x0, x1, s_enc, s_dec, BLOCK_M, BLOCK_K)
+    return e2m1_code(y0) | (e2m1_code(y1) << 4), sb_code, sb
 
 
 @triton.jit

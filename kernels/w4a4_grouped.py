@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 from quads_megatron.kernels import pdl
-from quads_megatron.kernels.nvfp4_quant import FP32_MAX, nvfp4_block_encode
+from quads_megatron.kernels.nvfp4_quant import FP32_MAX, e2m1_round, nvfp4_block_encode, nvfp4_block_scaled
 from quads_megatron.kernels.pdl import wait_then_release
 
 from quads_megatron import nvfp4
@@ -127,13 +127,17 @@ def _encode_store_chunk(
     blocks = k0 // 16 + tl.arange(0, NB)
     pmask = rmask[:, None] & (pairs[None, :] < K // 2)
     bmask = rmask[:, None] & (blocks[None, :] < K // 16)
-    packed, sb_code, sb = nvfp4_block_encode(x0, x1, s_enc, s_dec, BLOCK_M, BLOCK_K)
-    if not OPERAND:
+    if OPERAND:  # values only: E2M1 rounding without the codes
+        y0, y1, sb_code, sb = nvfp4_block_scaled(x0, x1, s_enc, s_dec, BLOCK_M, BLOCK_K)
+        q0, q1 = e2m1_round(y0), e2m1_round(y1)
+    else:
+        packed, sb_code, sb = nvfp4_block_encode(x0, x1, s_enc, s_dec, BLOCK_M, BLOCK_K)
         tl.store(codes_ptr + rows64[:, None] * (K // 2) + pairs[None, :], packed.to(tl.uint8), mask=pmask)
         tl.store(scales_ptr + rows64[:, None] * (K // 16) + blocks[None, :], sb_code.to(tl.uint8), mask=bmask)
+        q0, q1 = e2m1_value(packed & 15), e2m1_value(packed >> 4)
     sb_full = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
-    v0 = e2m1_value(packed & 15) * sb_full  # value(q) * s_b: exact in fp32
-    v1 = e2m1_value(packed >> 4) * sb_full
+    v0 = q0 * sb_full  # value(q) * s_b: exact in fp32
+    v1 = q1 * sb_full
     if HAS_RES:
         if DYNAMIC:  # whole row in registers: pick this token's blocks
             sel = _dynamic_selection(x0, x1, v0, v1, s_dec, blocks, n_sel, K, BLOCK_M, BLOCK_K)
@@ -143,17 +147,16 @@ def _encode_store_chunk(
         sel_full = tl.reshape(tl.broadcast_to(sel[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
         r0 = tl.where(sel_full != 0, x0 - v0 * s_dec[:, None], 0.0)
         r1 = tl.where(sel_full != 0, x1 - v1 * s_dec[:, None], 0.0)
-        rpacked, rsb_code, rsb = nvfp4_block_encode(r0, r1, s_enc, s_dec, BLOCK_M, BLOCK_K)
         if OPERAND:
+            ry0, ry1, _, rsb = nvfp4_block_scaled(r0, r1, s_enc, s_dec, BLOCK_M, BLOCK_K)
             rsb_full = tl.reshape(tl.broadcast_to(rsb[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
             # fp16(a) + fp16(r) rounded once to fp16: what the GEMM's in-register fold computes
-            v0 = (v0 * 0.0078125).to(tl.float16).to(tl.float32) + (e2m1_value(rpacked & 15) * rsb_full * 0.0078125).to(
-                tl.float16
-            ).to(tl.float32)
-            v1 = (v1 * 0.0078125).to(tl.float16).to(tl.float32) + (e2m1_value(rpacked >> 4) * rsb_full * 0.0078125).to(
-                tl.float16
-            ).to(tl.float32)
+            rv0 = (e2m1_round(ry0) * rsb_full * 0.0078125).to(tl.float16).to(tl.float32)
+            rv1 = (e2m1_round(ry1) * rsb_full * 0.0078125).to(tl.float16).to(tl.float32)
+            v0 = (v0 * 0.0078125).to(tl.float16).to(tl.float32) + rv0
+            v1 = (v1 * 0.0078125).to(tl.float16).to(tl.float32) + rv1
         else:
+            rpacked, rsb_code, rsb = nvfp4_block_encode(r0, r1, s_enc, s_dec, BLOCK_M, BLOCK_K)
             tl.store(rcodes_ptr + rows64[:, None] * (K // 2) + pairs[None, :], rpacked.to(tl.uint8), mask=pmask)
             tl.store(rscales_ptr + rows64[:, None] * (K // 16) + blocks[None, :], rsb_code.to(tl.uint8), mask=bmask)
     elif OPERAND:

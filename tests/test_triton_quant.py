@@ -75,6 +75,29 @@ def test_kernel_e4m3_rounding_matches_torch_cast_everywhere():
     assert torch.equal(code.to(torch.uint8), want.view(torch.uint8))
 
 
+@triton.jit
+def _e2m1_probe(v_ptr, code_ptr, val_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(v_ptr + offs, mask=m, other=0.0)
+    tl.store(code_ptr + offs, nvfp4_quant.e2m1_code(v), mask=m)
+    tl.store(val_ptr + offs, nvfp4_quant.e2m1_round(v), mask=m)
+
+
+def test_kernel_e2m1_rounding_by_magic_add_is_the_code_value_bit_for_bit():
+    """e2m1_round (the operand path's rounding, no code) == the value of the contract's code (and the
+    kernel's code == the contract's) on a dense grid, every tie and its neighbours, random values in [-6, 6]."""
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.0, 1e-30, 6.0, 2.0, 4.0, 0.5, 1.0])
+    near = torch.cat([ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1)])
+    v = torch.cat([torch.linspace(-6, 6, 48001), near, -near, torch.rand(20000) * 12 - 6]).float().clamp(-6, 6)
+    code = torch.empty(v.shape, dtype=torch.int32)
+    val = torch.empty_like(v)
+    _e2m1_probe[(triton.cdiv(v.numel(), 4096),)](v, code, val, v.numel(), BLOCK=4096)
+    want = nvfp4.e2m1_encode(v)  # the contract's codes
+    assert torch.equal(code.to(torch.uint8), want)
+    assert torch.equal(val, nvfp4.e2m1_decode(want))  # (a zero's sign aside: Triton negates as 0 - x)
+
+
 def test_kernel_refuses_bad_input_like_the_contract():
     with pytest.raises(nvfp4.NVFP4InputError, match="multiple of 16"):
         nvfp4_quant.quantize(torch.randn(2, 24))
