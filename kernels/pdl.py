@@ -21,7 +21,11 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: never enabled (the PDL branch is never compiled)
+    gdc_launch_dependents = gdc_wait = None
 
 
 @functools.cache
@@ -30,8 +34,9 @@ def _sm90_or_later(index: int) -> bool:
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on device are launched with PDL (CUDA sm_90+, not interpreted, QUADS_PDL != 0)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    """Whether kernels on device are launched with PDL (CUDA sm_90+, a Triton with grid dependency
+    control, not interpreted, QUADS_PDL != 0)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1" or gdc_wait is None:
         return False
     if os.environ.get("QUADS_PDL", "1") == "0":
         return False

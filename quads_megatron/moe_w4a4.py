@@ -259,30 +259,18 @@ def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activatio
     rows, h, i = tokens.numel(), weights.hidden, weights.intermediate
     bt1 = _gemm_block_rows(rows, 2 * i, h, wgmma, x.dtype)
     bt2 = _gemm_block_rows(rows, h, i, wgmma, x.dtype)
-    op = kg.activation_operand(  # once per token
-        x,
-        g1.plan,
-        static_amax[0],
-        check=check,
-        block_mask=g1.mask,
-        dynamic_channels=g1.dynamic_channels,
-        order=order,
-        row_tiles=(offs, bt1, rows),
-    )
+
+    def operand(a, g, amax, **kw):
+        return kg.activation_operand(
+            a, g.plan, amax, block_mask=g.mask, dynamic_channels=g.dynamic_channels, order=order, **kw
+        )
+
+    op = operand(x, g1, static_amax[0], check=check, row_tiles=(offs, bt1, rows))  # once per token
     y1 = _expert_gemm(
         op, offs, weights.w13_codes, weights.w13_scales, weights.w13_sdec, x.dtype, a_rows=tokens, tiles=op.tiles
     )
-    op2 = kg.activation_operand(  # of gated_activation(y1), zero on foreign rows; finite by construction
-        y1,
-        g2.plan,
-        static_amax[1],
-        check=False,
-        block_mask=g2.mask,
-        dynamic_channels=g2.dynamic_channels,
-        gated=True,
-        row_valid=valid,
-        order=order,
-        row_tiles=None if bt2 == bt1 else (offs, bt2, rows),
-    )
+    # of gated_activation(y1), zero on foreign rows; finite by construction
+    row_tiles2 = None if bt2 == bt1 else (offs, bt2, rows)
+    op2 = operand(y1, g2, static_amax[1], check=False, gated=True, row_valid=valid, row_tiles=row_tiles2)
     tiles2 = op.tiles if bt2 == bt1 else op2.tiles
     return _expert_gemm(op2, offs, weights.w2_codes, weights.w2_scales, weights.w2_sdec, x.dtype, tiles=tiles2)

@@ -80,6 +80,24 @@ def test_triton_path_matches_reference(rac, dtype):
     assert torch.equal(got, moe_w4a4(x, ids, tw, weights, RACS[rac].on("cpu"), impl="triton").float())  # deterministic
 
 
+def test_fc2_builds_its_own_row_tiles_where_its_tiles_differ(monkeypatch):
+    """fc1's quantization launch writes the row tiles both GEMMs share; where fc2's GEMM runs other
+    tiles (here forced: 32-row tiles for K=INTER), fc2's quantization launch writes its own, and the
+    block is the same bit for bit."""
+    weights, _, _ = experts()
+    x, ids, tw = routing()
+    shared = moe_w4a4(x, ids, tw, weights, impl="triton")
+    config = kg.gemm_config
+    monkeypatch.setattr(kg, "gemm_config", lambda rows, k: {**config(rows, k), "block_m": 32 if k == INTER else 16})
+    launches = []
+    operand = kg.activation_operand
+    monkeypatch.setattr(
+        kg, "activation_operand", lambda *a, **kw: launches.append(kw["row_tiles"]) or operand(*a, **kw)
+    )
+    assert torch.equal(moe_w4a4(x, ids, tw, weights, impl="triton"), shared)
+    assert [t if t is None else t[1:] for t in launches] == [(16, T * TOPK), (32, T * TOPK)]
+
+
 def test_rac_brings_the_moe_block_closer_to_the_trainer():
     """The trainer computes x @ qdq(W)^T with BF16 activations; RAC shrinks the W4A4 gap to it."""
     weights, w13, w2 = experts()
