@@ -797,6 +797,15 @@ def row_tiles(offs: torch.Tensor, block_rows: int, rows: int) -> RowTiles:
     return RowTiles(tile_map(offs, block_rows, RowTiles.count(rows, block_rows, offs.numel())), block_rows, rows)
 
 
+def gemm_row_tiles(tiles: RowTiles | None, offs: torch.Tensor, block_rows: int, rows: int) -> RowTiles:
+    """A grouped GEMM's row tiles: those made beforehand, checked against the GEMM's (RowTiles.check),
+    or, where none were given, made here in one launch (row_tiles)."""
+    if tiles is None:
+        return row_tiles(offs, block_rows, rows)
+    tiles.check(rows, block_rows, offs.numel())
+    return tiles
+
+
 def stack_expert_weights(weights: list[NVFP4Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-expert per-tensor NVFP4 weights [N, K] -> codes u8 [E, N, K/2], scale bytes u8 [E, N, K/16], S_dec [E]."""
     codes = torch.stack([w.codes for w in weights])
@@ -889,10 +898,8 @@ def grouped_w4a4(
     if k % block_k:
         raise NVFP4InputError(f"K={k} must be a multiple of block_k={block_k}")
     dev = w_codes.device
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m) + e_count)  # row tiles: an upper bound
-    if tiles is None:
-        tiles = row_tiles(offs, block_m, m)
-    tiles.check(m, block_m, e_count)
+    tiles = gemm_row_tiles(tiles, offs, block_m, m)
+    grid = (triton.cdiv(n, block_n), tiles.table.shape[0])  # row tiles: an upper bound
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
     has_res = not a_operand and qa.residual is not None
     if has_res:

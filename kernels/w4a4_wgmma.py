@@ -44,8 +44,8 @@ from quads_megatron.kernels.w4a4_grouped import (
     RowTiles,
     _nibble_ptx,
     check_wgmma_order,
+    gemm_row_tiles,
     grouped_rows,
-    row_tiles,
 )
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -760,9 +760,7 @@ def grouped_w4a4_wgmma(
             f"loader warps and num_warps 8 only), narrow={narrow} (with loader warps and block_t >= 32 only)"
         )
     dev = w_codes.device
-    if tiles is None:
-        tiles = row_tiles(offs, block_t, m)
-    tiles.check(m, block_t, e_count)
+    tiles = gemm_row_tiles(tiles, offs, block_t, m)
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
     grid = (n // (ROWS_PER_WARPGROUP * num_warps // 4), tiles.table.shape[0])  # row tiles: an upper bound
     args = (
