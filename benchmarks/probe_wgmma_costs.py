@@ -50,8 +50,6 @@ STEP = """        for ch in gl.static_range(KC):
             else:
                 acc = hopper.warpgroup_mma_wait(0, deps=[acc])
 """
-TILE_HEAD = """    acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
-"""
 LOOP_HEAD = """    for _ in range(K // (128 * KC)):
 """  # the warp-specialized consumer's K loop head (unique: the one-partition kernel loops over runs)
 A_LAYOUT = "gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)"
@@ -66,9 +64,16 @@ COPIES = "".join(  # the loader's three copies of a chunk
     )
 )
 EPILOGUE = """    n0 = (t % n_tiles) * w_smem.shape[1] + ROW0
-    _store_tile(
-        acc, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, e, t0, n0, row_end, N, wsdec_stride, HAS_AROWS, BT, NW, mma
-    )
+    if STAGED:
+        sa_buf = sa_smem.index((t // P) % sa_smem.shape[0])
+        if BT != sa_smem.shape[1]:  # a narrow tile: its first rows
+            sa_buf = sa_buf.slice(0, BT)
+        sa = sa_buf.load(gl.SliceLayout(0, mma))
+    else:
+        sa, sw = _tile_scales(
+            arows_ptr, asdec_ptr, wsdec_ptr, e, t0, row_end, wsdec_stride, HAS_AROWS, BT, gl.SliceLayout(0, mma)
+        )
+    _store_tile(acc, sa, sw, y_ptr, t0, n0, row_end, N, BT, NW, mma)
 """
 LOOKUP = "    return gl.load(tmap_ptr + pid * 4), gl.load(tmap_ptr + pid * 4 + 1), gl.load(tmap_ptr + pid * 4 + 2)\n"
 FIXED = "    return pid % 128, (pid % 128) * 16, (pid % 128) * 16 + 16  # probe: 128 experts x 16 rows, no lookup\n"
@@ -99,9 +104,8 @@ VARIANTS = {
     "no loads": [(COPIES, "                pass\n")],
     "no decode": [
         (
-            TILE_HEAD + LOOP_HEAD,
-            TILE_HEAD
-            + "    mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)\n"
+            LOOP_HEAD,
+            "    mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)\n"
             + "    a = "
             + DECODE.format(s="(it % STAGES) * KC", layout=A_LAYOUT)
             + "\n"

@@ -53,6 +53,7 @@ def report(
     mask_rows: bool = False,
     narrow: bool = False,
     pdl: bool = False,
+    staged: bool = False,
 ) -> dict:
     import triton
     from quads_megatron.kernels import w4a4_wgmma as wg
@@ -65,7 +66,7 @@ def report(
     if loader_warps:  # the warp-specialized kernel: 1-step runs; unroll > 1: a slot's chunks overlap
         overlap, unroll = wg.ws_overlap(chunks, unroll), 1
         consts = dict(K=k, HAS_AROWS=True, BT=block_t, STAGES=stages, KC=chunks, NW=num_warps, OVERLAP=overlap)
-        consts.update(MASK_ROWS=mask_rows, NARROW=narrow, A_I64=False, PDL=pdl)
+        consts.update(MASK_ROWS=mask_rows, NARROW=narrow, A_I64=False, PDL=pdl, STAGED=staged)
         consts.update(wg.ws_launch_consts(block_t, num_warps, chunks, loader_warps, maxnreg, split))
     else:
         unroll = wg.run_length(k, chunks, unroll)
@@ -88,6 +89,7 @@ def report(
         os.makedirs(dump, exist_ok=True)
         name = f"wgmma_{block_t}_{num_warps}_{stages}_{chunks}_{unroll}_{loader_warps}" + ("_split" if split else "")
         name += ("_masked" if mask_rows else "") + ("_narrow" if narrow else "") + ("_pdl" if pdl else "")
+        name += "_staged" if staged else ""
         with open(os.path.join(dump, name + ".sass"), "w") as out:
             out.write(sass)
         with open(os.path.join(dump, name + ".ptx"), "w") as out:
@@ -109,7 +111,8 @@ def report(
         + (" split" if split else "")
         + (" masked rows" if mask_rows else "")
         + (" narrow" if narrow else "")
-        + (" pdl" if pdl else ""),
+        + (" pdl" if pdl else "")
+        + (" staged" if staged else ""),
         "hgmma_a_operands": re.findall(r"HGMMA\.\S+ R\d+, (\S+), gdesc", sass),
         "hgmma_shape": sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass))),
         "wgmma_waits": re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass),
@@ -140,7 +143,7 @@ def main() -> None:
         "tiles",
         nargs="+",
         help="BT,warps,stages,chunks[,unroll[,loader warps (the warp-specialized kernel)[,maxnreg[,split 0/1"
-        "[,mask_rows 0/1[,narrow 0/1[,pdl 0/1]]]]]]]",
+        "[,mask_rows 0/1[,narrow 0/1[,pdl 0/1[,staged 0/1 (epilogue scales staged: persistent CTAs)]]]]]]]]",
     )
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--json", action="store_true", help="one JSON list on stdout")
@@ -149,9 +152,9 @@ def main() -> None:
     out = []
     for t in args.tiles:
         v = [int(x) for x in t.split(",")]
-        ws, cap, split, masked, narrow, pdl = (v[5:] + [0] * 6)[:6]
+        ws, cap, split, masked, narrow, pdl, staged = (v[5:] + [0] * 7)[:7]
         kw = dict(loader_warps=ws, maxnreg=cap or None, split=bool(split), mask_rows=bool(masked), narrow=bool(narrow))
-        kw["pdl"] = bool(pdl)
+        kw.update(pdl=bool(pdl), staged=bool(staged))
         out.append(report(*v[:5], k=args.k, dump=args.dump, **kw))
     if args.json:
         print(json.dumps(out))

@@ -228,33 +228,34 @@ def _tile_coords(tmap_ptr, pid):
 
 
 @gluon.jit
-def _store_tile(
-    acc,
+def _tile_scales(
     arows_ptr,
     asdec_ptr,
     wsdec_ptr,
-    y_ptr,
     e,
     t0,
-    n0,
     row_end,
-    N,
     wsdec_stride,
     HAS_AROWS: gl.constexpr,
     BT: gl.constexpr,
-    NW: gl.constexpr,
-    MMA: gl.constexpr,
+    LAYOUT: gl.constexpr,
 ):
-    """y[t0:t0+BT, n0:n0+BNW] = acc^T * 2^14 * S_dec_a[token] * S_dec_w[e] (rows past row_end masked)."""
-    BNW: gl.constexpr = 64 * (NW // 4)
-    cols = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))
+    """The epilogue's decode scales of a tile from global memory: S_dec_a of rows t0 .. t0 + BT (their
+    tokens' with HAS_AROWS; 0 past row_end), fp32 [BT] in LAYOUT, and S_dec_w[e]."""
+    cols = t0 + gl.arange(0, BT, layout=LAYOUT)
     cmask = cols < row_end
     if HAS_AROWS:
         ctok = gl.load(arows_ptr + cols, mask=cmask, other=0).to(gl.int64)
     else:
         ctok = cols.to(gl.int64)
-    sa = gl.load(asdec_ptr + ctok, mask=cmask, other=0.0)
-    sw = gl.load(wsdec_ptr + e * wsdec_stride)
+    return gl.load(asdec_ptr + ctok, mask=cmask, other=0.0), gl.load(wsdec_ptr + e * wsdec_stride)
+
+
+@gluon.jit
+def _store_tile(acc, sa, sw, y_ptr, t0, n0, row_end, N, BT: gl.constexpr, NW: gl.constexpr, MMA: gl.constexpr):
+    """y[t0:t0+BT, n0:n0+BNW] = acc^T * 2^14 * sa[row] * sw (rows past row_end masked); sa: fp32 [BT] in
+    SliceLayout(0, MMA), the rows' S_dec_a; sw: S_dec_w of the tile's expert."""
+    BNW: gl.constexpr = 64 * (NW // 4)
     y = ((acc * 16384.0) * sa[None, :] * sw).to(y_ptr.dtype.element_ty)  # undo 2^-7 on each operand
     out: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, NW], [0, 1])  # 16 B of one row's N per thread
     y = gl.convert_layout(y, out)
@@ -345,14 +346,16 @@ def _w4a4_wgmma_kernel(
                     acc = hopper.warpgroup_mma_wait(1, deps=[acc])
     async_copy.wait_group(0)
 
-    _store_tile(
-        acc, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, e, t0, n0, row_end, N, wsdec_stride, HAS_AROWS, BT, NW, mma
+    sa, sw = _tile_scales(
+        arows_ptr, asdec_ptr, wsdec_ptr, e, t0, row_end, wsdec_stride, HAS_AROWS, BT, gl.SliceLayout(0, mma)
     )
+    _store_tile(acc, sa, sw, y_ptr, t0, n0, row_end, N, BT, NW, mma)
 
 
 @gluon.jit
 def _ws_loader(
     a_ptr,
+    asdec_ptr,
     w_ptr,
     ws_ptr,
     arows_ptr,
@@ -360,6 +363,7 @@ def _ws_loader(
     b_smem,
     w_smem,
     s_smem,
+    sa_smem,
     ready,
     empty,
     N,
@@ -371,6 +375,7 @@ def _ws_loader(
     BNW: gl.constexpr,
     LW: gl.constexpr,
     MASK_ROWS: gl.constexpr,
+    STAGED: gl.constexpr,
     PDL: gl.constexpr,
 ):
     """Worker partition (LW warps): for each of this CTA's tiles, cp.async each k-step's activation rows,
@@ -379,12 +384,17 @@ def _ws_loader(
     (cp.async.mbarrier.arrive.noinc: ready counts LW * 32 arrivals). The ring runs on across tiles: the
     next tile's first steps load during this one's last MMAs and epilogue. Offsets are int32 from
     per-step scalar bases; A_I64: token offsets need int64. MASK_ROWS: activation rows past the expert
-    are zero-filled without a read (else they copy row 0)."""
+    are zero-filled without a read (else they copy row 0). STAGED: with a tile's first k-step it also
+    copies the tile's S_dec_a (one fp32 per row, 0 past the expert) into sa_smem buffer (tile number) %
+    SA_BUFS for the consumers' epilogue, so that its dependent loads (row -> token -> scale) are off
+    their path."""
     STAGES: gl.constexpr = ready.shape[0]
     KC: gl.constexpr = b_smem.shape[0] // STAGES
     b_copy: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])  # [BT, 128] fp16, 16 B each
     w_copy: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LW, 1], [1, 0])  # [BNW, 64] u8
     s_copy: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [LW, 1], [1, 0])  # [BNW, 8] u8
+    sa_copy: gl.constexpr = gl.BlockedLayout([1], [32], [LW], [0])  # [BT] fp32, one row per thread
+    SA_BUFS: gl.constexpr = sa_smem.shape[0]
     w_off = (
         gl.arange(0, BNW, layout=gl.SliceLayout(1, w_copy))[:, None] * (K // 2)
         + gl.arange(0, 64, layout=gl.SliceLayout(0, w_copy))[None, :]
@@ -410,9 +420,17 @@ def _ws_loader(
             tok = tok.to(gl.int32)
         b_off = tok[:, None] * K + gl.arange(0, 128, layout=gl.SliceLayout(0, b_copy))[None, :]
         row0 = (e * N + (t % n_tiles) * BNW).to(gl.int64)
+        sa_r = t0 + gl.arange(0, BT, layout=sa_copy)
+        if HAS_AROWS and STAGED:
+            sa_tok = gl.load(arows_ptr + sa_r, mask=sa_r < row_end, other=0)
+        else:
+            sa_tok = sa_r
         for j in range(K // (128 * KC)):
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+            if STAGED and j == 0:  # lands with this k-step; the buffer's previous tile is done (see SA_BUFS)
+                sa_buf = sa_smem.index((t // P) % SA_BUFS)
+                async_copy.async_copy_global_to_shared(sa_buf, asdec_ptr + sa_tok, mask=sa_r < row_end)
             for ch in gl.static_range(KC):
                 c = j * KC + ch
                 buf = slot * KC + ch
@@ -429,10 +447,12 @@ def _ws_tile(
     b_smem,
     w_smem,
     s_smem,
+    sa_smem,
     ready,
     empty,
     it,
     t,
+    P,
     n_tiles,
     e,
     t0,
@@ -450,18 +470,23 @@ def _ws_tile(
     CODES_LAYOUT: gl.constexpr,
     OVERLAP: gl.constexpr,
     ROW0: gl.constexpr,
+    STAGED: gl.constexpr,
 ):
     """One tile of a consumer partition, from ring k-step `it` on: per k-step wait for its slot; per
     128-K chunk decode the codes into wgmma's register operand, wgmma against the slot's first BT
     activation rows and retire it (wait(0)), or with OVERLAP leave it in flight under the next chunk's
     decode inside the slot (wait(1); the slot's last chunk retires all: nothing in flight across the
     back edge); free the slot. Then the tile's epilogue: y rows t0 .. t0 + BT, the 64 * NW / 4 columns of
-    this partition in N tile t % n_tiles. Returns the ring's next k-step."""
+    this partition in N tile t % n_tiles; STAGED: S_dec_a from the loader's copy in sa_smem (it landed
+    with the tile's first k-step) and S_dec_w loaded before the K loop, else both loaded there. Returns
+    the ring's next k-step."""
     BNW: gl.constexpr = 64 * (NW // 4)
     STAGES: gl.constexpr = ready.shape[0]
     KC: gl.constexpr = b_smem.shape[0] // STAGES
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16])
     acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
+    if STAGED:
+        sw = gl.load(wsdec_ptr + e * wsdec_stride)  # in flight during the K loop
     for _ in range(K // (128 * KC)):
         slot = it % STAGES
         mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
@@ -475,9 +500,16 @@ def _ws_tile(
         mbarrier.arrive(empty.index(slot), count=1)
         it += 1
     n0 = (t % n_tiles) * w_smem.shape[1] + ROW0
-    _store_tile(
-        acc, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, e, t0, n0, row_end, N, wsdec_stride, HAS_AROWS, BT, NW, mma
-    )
+    if STAGED:
+        sa_buf = sa_smem.index((t // P) % sa_smem.shape[0])
+        if BT != sa_smem.shape[1]:  # a narrow tile: its first rows
+            sa_buf = sa_buf.slice(0, BT)
+        sa = sa_buf.load(gl.SliceLayout(0, mma))
+    else:
+        sa, sw = _tile_scales(
+            arows_ptr, asdec_ptr, wsdec_ptr, e, t0, row_end, wsdec_stride, HAS_AROWS, BT, gl.SliceLayout(0, mma)
+        )
+    _store_tile(acc, sa, sw, y_ptr, t0, n0, row_end, N, BT, NW, mma)
     return it
 
 
@@ -486,6 +518,7 @@ def _ws_consumer(
     b_smem,
     w_smem,
     s_smem,
+    sa_smem,
     ready,
     empty,
     tmap_ptr,
@@ -504,6 +537,7 @@ def _ws_consumer(
     OVERLAP: gl.constexpr,
     ROW0: gl.constexpr,
     NARROW: gl.constexpr,
+    STAGED: gl.constexpr,
     PDL: gl.constexpr,
 ):
     """Consumer partition (NW warps, 64 weight rows per warpgroup, from the slot's row ROW0: split
@@ -519,13 +553,13 @@ def _ws_consumer(
         e, t0, row_end = _tile_coords(tmap_ptr, t // n_tiles)
         # fmt: off
         if NARROW and row_end - t0 <= BT // 2:  # (NARROW False: no branch, the wide tile alone)
-            it = _ws_tile(b_smem, w_smem, s_smem, ready, empty, it, t, n_tiles, e, t0, row_end, arows_ptr,
-                          asdec_ptr, wsdec_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT // 2, NW,
-                          CODES_LAYOUT, OVERLAP, ROW0)
+            it = _ws_tile(b_smem, w_smem, s_smem, sa_smem, ready, empty, it, t, P, n_tiles, e, t0, row_end,
+                          arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT // 2, NW,
+                          CODES_LAYOUT, OVERLAP, ROW0, STAGED)
         else:
-            it = _ws_tile(b_smem, w_smem, s_smem, ready, empty, it, t, n_tiles, e, t0, row_end, arows_ptr,
-                          asdec_ptr, wsdec_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT, NW,
-                          CODES_LAYOUT, OVERLAP, ROW0)
+            it = _ws_tile(b_smem, w_smem, s_smem, sa_smem, ready, empty, it, t, P, n_tiles, e, t0, row_end,
+                          arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT, NW,
+                          CODES_LAYOUT, OVERLAP, ROW0, STAGED)
         # fmt: on
 
 
@@ -557,6 +591,7 @@ def _w4a4_wgmma_ws_kernel(
     CONSUMER_REGS: gl.constexpr,
     MASK_ROWS: gl.constexpr,
     NARROW: gl.constexpr,
+    STAGED: gl.constexpr,
     PDL: gl.constexpr,
 ):
     """Warp-specialized variant of _w4a4_wgmma_kernel (KC 128-K chunks per ring slot, 1-step runs): LW
@@ -567,9 +602,18 @@ def _w4a4_wgmma_ws_kernel(
     as the ring allows. MASK_ROWS: activation rows past the expert are zero-filled, not read. NARROW:
     tiles with at most BT / 2 rows left run half-width wgmmas (see _ws_consumer). Tiles (row
     tile, N tile; N fastest) t = program_id, program_id + P, ...: P = the grid, one tile per CTA when it
-    covers them all, else persistent CTAs whose ring runs on from one tile into the next."""
+    covers them all, else persistent CTAs whose ring runs on from one tile into the next. STAGED
+    (persistent CTAs): the loader stages each tile's S_dec_a in shared memory for the consumers' epilogue
+    (its row -> token -> scale loads stalled the consumers at every tile's end, with the ring running
+    on: 1596 -> 1532 us at 131072 rows on the H200); one tile per CTA loads them in the epilogue (at
+    2048 rows staging lost: 101.7 -> 105.0 us)."""
     BNW: gl.constexpr = 64 * (NW // 4)
     b_smem, w_smem, s_smem = _alloc_ring(STAGES * KC, BT, BNW)  # buffer slot * KC + chunk
+    # tiles' S_dec_a (STAGED): the loader writes tile i + SA_BUFS's after waiting for the ring slot of its first
+    # k-step, which the consumers free only past tile i's epilogue once (SA_BUFS - 1) * NK >= STAGES
+    NK: gl.constexpr = K // (128 * KC)
+    SA_BUFS: gl.constexpr = 1 + (STAGES + NK - 1) // NK
+    sa_smem = gl.allocate_shared_memory(gl.float32, [SA_BUFS, BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -578,12 +622,14 @@ def _w4a4_wgmma_ws_kernel(
     if SPLIT:  # one consumer partition per warpgroup (NW == 8): each runs ahead on its own (see _ws_consumer)
         gl.warp_specialize(
             [
-                (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr,
-                                N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 0, NARROW, PDL)),
-                (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr,
-                                N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 64, NARROW, PDL)),
-                (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, ready, empty, N, P,
-                              K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, PDL)),
+                (_ws_consumer, (b_smem, w_smem, s_smem, sa_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr,
+                                wsdec_ptr, y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 0,
+                                NARROW, STAGED, PDL)),
+                (_ws_consumer, (b_smem, w_smem, s_smem, sa_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr,
+                                wsdec_ptr, y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 64,
+                                NARROW, STAGED, PDL)),
+                (_ws_loader, (a_ptr, asdec_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, sa_smem,
+                              ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL)),
             ],
             [4, LW],
             [CONSUMER_REGS, LOADER_REGS],
@@ -591,10 +637,11 @@ def _w4a4_wgmma_ws_kernel(
     else:
         gl.warp_specialize(  # (argument tuples inline: a tuple variable would turn the constexprs into tensors)
             [
-                (_ws_consumer, (b_smem, w_smem, s_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr, wsdec_ptr, y_ptr,
-                                N, P, wsdec_stride, K, HAS_AROWS, BT, NW, CODES_LAYOUT, OVERLAP, 0, NARROW, PDL)),
-                (_ws_loader, (a_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, ready, empty, N, P,
-                              K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, PDL)),
+                (_ws_consumer, (b_smem, w_smem, s_smem, sa_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr,
+                                wsdec_ptr, y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, NW, CODES_LAYOUT, OVERLAP, 0,
+                                NARROW, STAGED, PDL)),
+                (_ws_loader, (a_ptr, asdec_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, sa_smem,
+                              ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL)),
             ],
             [LW],
             [LOADER_REGS],
@@ -781,12 +828,12 @@ def grouped_w4a4_wgmma(
     if maxnreg:
         consts["maxnreg"] = maxnreg
     if loader_warps:
-        consts.update(KC=chunks, A_I64=values.shape[0] * k >= 2**31, NARROW=bool(narrow))
+        consts.update(KC=chunks, A_I64=values.shape[0] * k >= 2**31, NARROW=bool(narrow), STAGED=bool(ctas_per_sm))
         consts.update(ws_launch_consts(block_t, num_warps, chunks, loader_warps, maxnreg, split))
         tiles_ub = grid[0] * grid[1]  # row tiles are known on the device only: their upper bound
         p = min(tiles_ub, _sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub
         tile = ("ws", k, a_rows is not None, block_t, stages, num_warps, loader_warps, maxnreg, out_dtype)
-        tile += (split, mask_rows, bool(narrow))
+        tile += (split, mask_rows, bool(narrow), bool(ctas_per_sm))
         _launch_verified(
             lambda risky: _w4a4_wgmma_ws_kernel[(p,)](*args, p, OVERLAP=risky, **consts),
             overlap,

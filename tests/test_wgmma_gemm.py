@@ -88,14 +88,16 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
     configs = [wg.wgmma_config(r, n) for r, n in sizes] + [wg.wgmma_config(131072, 1536, torch.float32)]
     keys = ("block_t", "num_warps", "stages", "chunks", "unroll", "loader_warps", "maxnreg", "split", "mask_rows")
     keys += ("narrow",)
-    tiles = sorted(  # (persistence: a grid size); the tiles below: rows past the expert read from row 0
-        {tuple(int(c.get(key) or 0) for key in keys) for c in configs}
+    tiles = sorted(  # persistent CTAs (ctas_per_sm): the epilogue's scales staged by the loader (PDL off: 0);
+        # the tiles below: rows past the expert read from row 0
+        {tuple(int(c.get(key) or 0) for key in keys) + (0, int(bool(c.get("ctas_per_sm")))) for c in configs}
         | {(32, 8, 4, 2, 2, 0, 0, 0), (16, 8, 6, 1, 8, 0, 0, 0), (64, 8, 4, 1, 1, 0, 0, 0), (32, 8, 2, 1, 1, 2, 80, 0)}
         | {(16, 8, 3, 2, 1, 4, 80, 0), (32, 8, 3, 2, 1, 4, 80, 0), (128, 8, 2, 2, 2, 4, 168, 0)}
         | {(32, 8, 4, 1, 1, 4, 80, 1), (128, 8, 2, 2, 2, 4, 168, 1)}
     )
     tiles += [(32, 8, 3, 2, 1, 4, 80, 0, 1, 1), (64, 8, 3, 1, 1, 4, 80, 0, 1, 1)]  # narrow, one consumer partition
-    assert any(t[9:] == (1,) and t[7] for t in tiles)  # the default tiles include split narrow ones
+    assert any(t[9:10] == (1,) and t[7] for t in tiles)  # the default tiles include split narrow ones ...
+    assert any(t[11:] == (1,) for t in tiles) and any(t[5] and t[11:] == (0,) for t in tiles)  # staged or not
     assert any(t[5] for t in tiles) and any(not t[5] for t in tiles)
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run(
