@@ -27,7 +27,6 @@ The variants compute garbage; only their times mean anything.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import sys
@@ -94,6 +93,7 @@ NO_EPILOGUE = (  # the accumulator kept alive (summed; stored only in a case tha
     "    acc_sum = gl.sum(gl.sum(acc, axis=1), axis=0)\n"
     "    if acc_sum == 1.2345:\n"
     "        gl.store(y_ptr + t0, acc_sum.to(y_ptr.dtype.element_ty))\n"
+    "    return it\n"
 )
 VARIANTS = {
     "act rows 1/2 read": [(ROWS, "        b_rows = ((r < row_end) & (r % 2 == 0))[:, None]\n")],
@@ -119,15 +119,6 @@ VARIANTS = {
 }
 
 
-def load(path: str):
-    """A kernel module from a source file (e.g. an earlier kernels/w4a4_wgmma.py), for an A/B timing."""
-    spec = importlib.util.spec_from_file_location("quads_megatron.kernels._probe_baseline", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="4096,16384")
@@ -138,7 +129,7 @@ def main() -> None:
     costs.VARIANTS.update(VARIANTS)
     mods = {"full": wg, **{name: costs.variant(name) for name in VARIANTS if re.search(args.variants, name)}}
     if args.baseline:
-        mods["baseline"] = load(args.baseline)
+        mods["baseline"] = costs.load_source(args.baseline, "_probe_baseline")
     g = torch.Generator(device="cuda").manual_seed(0)
     w, (wc, wsc, wsd) = fc1_weights(g)
     w_bt = w.transpose(-2, -1)

@@ -63,18 +63,9 @@ COPIES = "".join(  # the loader's three copies of a chunk
         "s_smem.index(buf), (ws_ptr + row0 * (K // 16) + c * 8) + s_off",
     )
 )
-EPILOGUE = """    n0 = (t % n_tiles) * w_smem.shape[1] + ROW0
-    if STAGED:
-        sa_buf = sa_smem.index((t // P) % sa_smem.shape[0])
-        if BT != sa_smem.shape[1]:  # a narrow tile: its first rows
-            sa_buf = sa_buf.slice(0, BT)
-        sa = sa_buf.load(gl.SliceLayout(0, mma))
-    else:
-        sa, sw = _tile_scales(
-            arows_ptr, asdec_ptr, wsdec_ptr, e, t0, row_end, wsdec_stride, HAS_AROWS, BT, gl.SliceLayout(0, mma)
-        )
-    _store_tile(acc, sa, sw, y_ptr, t0, n0, row_end, N, BT, NW, mma)
-"""
+EPILOGUE = """    _store_tile(acc, sa, sw, y_ptr, t0, n0, row_end, N, BT, NW, mma)
+    return it
+"""  # the consumer tile's output (the scales it reads are dropped with it)
 LOOKUP = "    return gl.load(tmap_ptr + pid * 4), gl.load(tmap_ptr + pid * 4 + 1), gl.load(tmap_ptr + pid * 4 + 2)\n"
 FIXED = "    return pid % 128, (pid % 128) * 16, (pid % 128) * 16 + 16  # probe: 128 experts x 16 rows, no lookup\n"
 BOUND = "gl.load(tmap_ptr + 3) * n_tiles"
@@ -83,13 +74,13 @@ GRID = "_sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub"
 LOADER_REGS = "loader_regs = ws_loader_regs(block_t, loader_warps, chunks)"
 FIXED_TILES = [
     (FENCE + STEP, ""),
-    (EPILOGUE, "    pass\n"),
+    (EPILOGUE, "    return it\n"),
     (LOOKUP, FIXED),
     (BOUND, "128 * n_tiles", 2),  # the tile loops of the loader and the consumers
 ]
 VARIANTS = {
     "loads only": [(FENCE + STEP, "")],
-    "loads only, no epilogue": [(FENCE + STEP, ""), (EPILOGUE, "    pass\n")],
+    "loads only, no epilogue": [(FENCE + STEP, ""), (EPILOGUE, "    return it\n")],
     # the 256-token workload's tiles (128 experts x 16 rows) from pid alone: no tile-map or row-count load
     "loads only, no epilogue, fixed tiles": FIXED_TILES,
     # ... and a grid of exactly those 1536 tiles (the host launches the row-tile bound: 768 more, empty)
@@ -146,10 +137,15 @@ def variant(name: str):
     path = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False).name  # Gluon reads the source file
     with open(path, "w") as f:
         f.write(src)
-    mod_name = f"quads_megatron.kernels._probe_{name.replace(' ', '_')}"
-    spec = importlib.util.spec_from_file_location(mod_name, path)
+    return load_source(path, f"_probe_{name.replace(' ', '_')}")
+
+
+def load_source(path: str, name: str):
+    """The kernel module from a source file (a rewritten variant, or an earlier copy for an A/B) as
+    quads_megatron.kernels.<name>."""
+    spec = importlib.util.spec_from_file_location(f"quads_megatron.kernels.{name}", path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = mod
+    sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
 

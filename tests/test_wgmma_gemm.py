@@ -470,13 +470,16 @@ def test_wgmma_config_uses_the_warp_specialized_kernel_above_1024_rows_persisten
     assert (big32["block_t"], big32["chunks"], big32["stages"]) == (128, 1, 3)
 
 
-def test_cost_probe_rewrites_still_match_the_kernel():
-    """benchmarks/probe_wgmma_costs.py times scratch variants made by rewriting this kernel's source; each
-    rewrite must still find its text as often as it expects (else the probe would time something else)."""
+def test_cost_probe_rewrites_still_match_the_kernel(monkeypatch):
+    """benchmarks/probe_wgmma_costs.py and probe_act_traffic.py time scratch variants made by rewriting this
+    kernel's source; each rewrite must still find its text as often as it expects (else the probe would time
+    something else)."""
     sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
+    from benchmarks import probe_act_traffic as traffic
     from benchmarks import probe_wgmma_costs as costs
 
     assert {"loads only", "no loads", "no decode", "no MMA"} <= set(costs.VARIANTS)
+    monkeypatch.setattr(costs, "VARIANTS", {**costs.VARIANTS, **traffic.VARIANTS})  # + its loader / epilogue ones
     for name in costs.VARIANTS:
         mod = costs.variant(name)
         assert mod.__file__ != wg.__file__ and callable(mod.grouped_w4a4_wgmma), name
