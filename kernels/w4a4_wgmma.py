@@ -746,25 +746,24 @@ def grouped_w4a4_wgmma(
 ) -> torch.Tensor:
     """y [rows, N] = S_dec_a * S_dec_w[e] * (A @ W_e^T) for the grouped rows of offs (see grouped_w4a4).
 
-    values: fp16 [M, K] activation operand in the "wgmma" order; global_decode: fp32 [M] or [M, 1];
-    w_codes u8 [E, N, K/2], w_scales u8 [E, N, K/16], w_sdec fp32 [E] (may be strided); a_rows:
-    optional token index of each grouped row. Tiles default to wgmma_config(rows, N, out_dtype); chunks: 128-K
-    chunks per pipeline step (1 or 2; 1 where K is not a multiple of 256); unroll: k-steps per
-    straight-line run (run_length); maxnreg: a register cap per thread (None: ptxas decides; the
-    warp-specialized kernel's cap is the launch's, split between its partitions); loader_warps: > 0
-    runs the warp-specialized kernel with that many cp.async loader warps (1-step runs; there unroll > 1
-    with 2 chunks keeps each slot's first chunk's wgmma in flight under the second one's decode; 0 the
-    single-partition kernel); ctas_per_sm: its CTAs persist, SMs * ctas_per_sm of them looping over
-    the tiles (0: one CTA per tile); split: its two consumer warpgroups (num_warps 8) run as two
-    partitions, each on its own 64 weight rows of every slot, instead of one partition kept in step by
-    a barrier per k-step (ws_consumer_regs: their register share); mask_rows: activation rows past an
-    expert's rows are zero-filled by the copy instead of read from row 0 (every CTA with a partial tile
-    re-reads that one row; at 256 tokens half of each tile's rows; None: wgmma_config's, on); narrow
-    (warp-specialized kernel, block_t >= 32): a tile whose expert has at most block_t / 2 rows left runs
-    half-width wgmmas and epilogue (at 256 tokens about half the tiles; None: wgmma_config's for the
-    configured kernel (loader_warps not given) with block_t >= 32, off for tiles given with loader warps);
-    tiles: RowTiles of offs in block_t-row tiles made beforehand (w4a4_grouped.row_tiles, or the
-    activation operand's .tiles; block_rows must be this call's block_t); None: one tile_map launch here.
+    values: fp16 [M, K] activation operand in the "wgmma" order; global_decode: fp32 [M] or [M, 1]; w_codes u8 [E,
+    N, K/2], w_scales u8 [E, N, K/16], w_sdec fp32 [E] (may be strided); a_rows: optional token index of each
+    grouped row. Tiles default to wgmma_config(rows, N, out_dtype); chunks: 128-K chunks per pipeline step (1 or 2;
+    1 where K is not a multiple of 256); unroll: k-steps per straight-line run (run_length); maxnreg: a register cap
+    per thread (None: ptxas decides; the warp-specialized kernel's cap is the launch's, split between its
+    partitions); loader_warps: > 0 runs the warp-specialized kernel with that many cp.async loader warps (1-step
+    runs; there unroll > 1 with 2 chunks keeps each slot's first chunk's wgmma in flight under the second one's
+    decode; 0 the single-partition kernel); ctas_per_sm: its CTAs persist, SMs * ctas_per_sm of them looping over
+    the tiles, the loader staging each tile's epilogue scales in shared memory (0: one CTA per tile); split: its two
+    consumer warpgroups (num_warps 8) run as two partitions, each on its own 64 weight rows of every slot, instead
+    of one partition kept in step by a barrier per k-step (ws_consumer_regs: their register share); mask_rows:
+    activation rows past an expert's rows are zero-filled by the copy instead of read from row 0 (every CTA with a
+    partial tile re-reads that one row; at 256 tokens half of each tile's rows; None: wgmma_config's, on); narrow
+    (warp-specialized kernel, block_t >= 32): a tile whose expert has at most block_t / 2 rows left runs half-width
+    wgmmas and epilogue (at 256 tokens about half the tiles; None: wgmma_config's for the configured kernel
+    (loader_warps not given) with block_t >= 32, off for tiles given with loader warps); tiles: RowTiles of offs in
+    block_t-row tiles made beforehand (w4a4_grouped.row_tiles, or the activation operand's .tiles; block_rows must
+    be this call's block_t); None: one tile_map launch here.
 
     Each compiled tile's SASS is checked once (sass_hazards): multi-step runs whose wgmma register
     operand could be rewritten in flight (or whose SASS cannot be read) fall back to 1-step runs,
