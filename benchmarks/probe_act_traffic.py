@@ -1,4 +1,5 @@
-"""Device probe: how much of the prefill GEMM's time the activation tile's L2 -> SM traffic costs.
+"""Device probe: where the prefill Gluon GEMM's time goes besides its consumers' decode and MMA: the
+activation tile's L2 -> SM reads, the loader's copies, the weights' HBM latency, the epilogue.
 
 python benchmarks/probe_act_traffic.py [--tokens 4096,16384]
 (CUDA GPU; CUDA-graph replay medians; Qwen3-30B-A3B fc1, token-indexed rows as moe_w4a4 runs fc1)
