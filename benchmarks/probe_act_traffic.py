@@ -41,16 +41,8 @@ from benchmarks import probe_wgmma_costs as costs  # noqa: E402
 from benchmarks.probe_wgmma_tiles import HIDDEN, INTER, bench, fc1_rows, fc1_weights  # noqa: E402
 
 ROWS = "        b_rows = (r < row_end)[:, None]\n"
-ACT_COPY = (
-    " " * 16 + "async_copy.async_copy_global_to_shared(b_smem.index(buf), (a_ptr + c * 128) + b_off, mask=b_mask)\n"
-)
-W_COPIES = "".join(
-    " " * 16 + f"async_copy.async_copy_global_to_shared({line})\n"
-    for line in (
-        "w_smem.index(buf), (w_ptr + row0 * (K // 2) + c * 64) + w_off",
-        "s_smem.index(buf), (ws_ptr + row0 * (K // 16) + c * 8) + s_off",
-    )
-)
+ACT_COPY, *_w_copies = costs.COPIES.splitlines(keepends=True)  # the loader's activation, code, scale copies
+W_COPIES = "".join(_w_copies)
 TILE_ROWS = "        r = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, b_copy))\n"
 LOADER_DEF = "@gluon.jit\ndef _ws_loader(\n"
 STEP_END = "            async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)\n            it += 1\n"
@@ -101,14 +93,14 @@ VARIANTS = {
     "act rows 1/4 read": [(ROWS, "        b_rows = ((r < row_end) & (r % 4 == 0))[:, None]\n")],
     "no act copies": [(ACT_COPY, "")],
     "no weight copies": [(W_COPIES, "")],
-    "no loads": [(ACT_COPY + W_COPIES, " " * 16 + "pass\n")],
+    "no loads": costs.VARIANTS["no loads"],
     "act rows none read": [(ROWS, "        b_rows = (r < t0)[:, None]\n")],
     "weights of expert 0": [(W_ROW0, W_ROW0.replace("e * N + ", ""))],
     "no epilogue": [(costs.EPILOGUE, NO_EPILOGUE)],
     "epilogue stores off": [
         (STORE_MASK, STORE_MASK.replace("(orow < row_end)[None, :]", "((orow < row_end) & (orow < 0))[None, :]"))
     ],
-    "no loads, no epilogue": [(ACT_COPY + W_COPIES, " " * 16 + "pass\n"), (costs.EPILOGUE, NO_EPILOGUE)],
+    "no loads, no epilogue": [*costs.VARIANTS["no loads"], (costs.EPILOGUE, NO_EPILOGUE)],
     "act rows of tile 0": [(TILE_ROWS, TILE_ROWS.replace("t0 + ", ""))],
     "prefetch act 2 ahead": prefetch(2, False),
     "prefetch act 4 ahead": prefetch(4, False),

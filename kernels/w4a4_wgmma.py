@@ -252,6 +252,12 @@ def _tile_scales(
 
 
 @gluon.jit
+def _staged_scales(sa_smem, t, P):
+    """The sa_smem buffer of this CTA's tile t (every P-th tile): the loader's and the consumers' one rule."""
+    return sa_smem.index((t // P) % sa_smem.shape[0])
+
+
+@gluon.jit
 def _store_tile(acc, sa, sw, y_ptr, t0, n0, row_end, N, BT: gl.constexpr, NW: gl.constexpr, MMA: gl.constexpr):
     """y[t0:t0+BT, n0:n0+BNW] = acc^T * 2^14 * sa[row] * sw (rows past row_end masked); sa: fp32 [BT] in
     SliceLayout(0, MMA), the rows' S_dec_a; sw: S_dec_w of the tile's expert."""
@@ -394,7 +400,6 @@ def _ws_loader(
     w_copy: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LW, 1], [1, 0])  # [BNW, 64] u8
     s_copy: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [LW, 1], [1, 0])  # [BNW, 8] u8
     sa_copy: gl.constexpr = gl.BlockedLayout([1], [32], [LW], [0])  # [BT] fp32, one row per thread
-    SA_BUFS: gl.constexpr = sa_smem.shape[0]
     w_off = (
         gl.arange(0, BNW, layout=gl.SliceLayout(1, w_copy))[:, None] * (K // 2)
         + gl.arange(0, 64, layout=gl.SliceLayout(0, w_copy))[None, :]
@@ -429,8 +434,9 @@ def _ws_loader(
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
             if STAGED and j == 0:  # lands with this k-step; the buffer's previous tile is done (see SA_BUFS)
-                sa_buf = sa_smem.index((t // P) % SA_BUFS)
-                async_copy.async_copy_global_to_shared(sa_buf, asdec_ptr + sa_tok, mask=sa_r < row_end)
+                async_copy.async_copy_global_to_shared(
+                    _staged_scales(sa_smem, t, P), asdec_ptr + sa_tok, mask=sa_r < row_end
+                )
             for ch in gl.static_range(KC):
                 c = j * KC + ch
                 buf = slot * KC + ch
@@ -501,7 +507,7 @@ def _ws_tile(
         it += 1
     n0 = (t % n_tiles) * w_smem.shape[1] + ROW0
     if STAGED:
-        sa_buf = sa_smem.index((t // P) % sa_smem.shape[0])
+        sa_buf = _staged_scales(sa_smem, t, P)
         if BT != sa_smem.shape[1]:  # a narrow tile: its first rows
             sa_buf = sa_buf.slice(0, BT)
         sa = sa_buf.load(gl.SliceLayout(0, mma))
@@ -827,12 +833,13 @@ def grouped_w4a4_wgmma(
     if maxnreg:
         consts["maxnreg"] = maxnreg
     if loader_warps:
-        consts.update(KC=chunks, A_I64=values.shape[0] * k >= 2**31, NARROW=bool(narrow), STAGED=bool(ctas_per_sm))
+        staged = bool(ctas_per_sm)  # persistent CTAs stage the epilogue's scales
+        consts.update(KC=chunks, A_I64=values.shape[0] * k >= 2**31, NARROW=narrow, STAGED=staged)
         consts.update(ws_launch_consts(block_t, num_warps, chunks, loader_warps, maxnreg, split))
         tiles_ub = grid[0] * grid[1]  # row tiles are known on the device only: their upper bound
         p = min(tiles_ub, _sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub
         tile = ("ws", k, a_rows is not None, block_t, stages, num_warps, loader_warps, maxnreg, out_dtype)
-        tile += (split, mask_rows, bool(narrow), bool(ctas_per_sm))
+        tile += (split, mask_rows, narrow, staged)
         _launch_verified(
             lambda risky: _w4a4_wgmma_ws_kernel[(p,)](*args, p, OVERLAP=risky, **consts),
             overlap,
