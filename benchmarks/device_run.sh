@@ -22,7 +22,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     CUDA_VISIBLE_DEVICES= timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -p no:warnings $R/tests 2>&1 | tail -25 > "$OUT/pytest_py312_mcore.txt"
     tail -5 "$OUT/pytest_py312_mcore.txt"
   fi
-  TRITON_INTERPRET=0 timeout "${GPU_TEST_TIMEOUT:-240}" python3 -m pytest -q -rs -p no:cacheprovider -p no:warnings $R/tests/test_gpu_cuda.py 2>&1 | tail -40 > "$OUT/pytest_gpu_cuda.txt"
+  TRITON_INTERPRET=0 timeout "${GPU_TEST_TIMEOUT:-400}" python3 -m pytest -q -rs -p no:cacheprovider -p no:warnings $R/tests/test_gpu_cuda.py 2>&1 | tail -40 > "$OUT/pytest_gpu_cuda.txt"
   tail -8 "$OUT/pytest_gpu_cuda.txt"
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then

@@ -18,7 +18,8 @@ loader partition (rewritten source, as benchmarks/probe_wgmma_costs.py does):
   act rows of tile 0      - every tile reads the activation rows of grouped rows 0 .. BT - 1 (L2 hits);
   no epilogue             - the consumers skip each tile's output (scaling, layout change, stores;
                             the accumulator only summed, so that its wgmmas stay);
-  epilogue stores off     - the epilogue's stores predicated off (run-time mask), the rest of it kept;
+  epilogue stores off     - the epilogue's plain stores predicated off (run-time mask), the rest of it
+                            kept (with tma_store: only the partial tiles' stores);
   prefetch ...            - the loader L2-prefetches the activation rows (and code rows) of a later
                             k-step when it issues one (cp.async.bulk.prefetch.L2, one row per thread).
 and torch._grouped_mm (bf16) on the same rows; --baseline FILE: also an earlier copy of the kernel module.
@@ -144,7 +145,11 @@ def main() -> None:
             extra = {k: int(v) for k, v in (kv.split("=") for kv in over.split(","))}
             try:
                 us = bench(lambda extra=extra: wg.grouped_w4a4_wgmma(*gemm_args, a_rows=tok, **{**cfg, **extra}))
-                out.append(f"full {over} {us:.1f}")
+                same = torch.equal(  # tile changes that keep each sum's order (stores, staging) keep the bits
+                    wg.grouped_w4a4_wgmma(*gemm_args, a_rows=tok, **{**cfg, **extra}),
+                    wg.grouped_w4a4_wgmma(*gemm_args, a_rows=tok, **cfg),
+                )
+                out.append(f"full {over} {us:.1f} (bit-identical to full: {same})")
             except Exception as e:  # e.g. a ring that does not fit in shared memory
                 out.append(f"full {over} failed ({type(e).__name__})")
         xs = x[tok.long()].contiguous()

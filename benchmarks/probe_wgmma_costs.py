@@ -55,23 +55,27 @@ LOOP_HEAD = """    for _ in range(K // (128 * KC)):
 A_LAYOUT = "gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)"
 DECODE = """_decode_a(w_smem.index({s}).reshape([BNW, 8, 8]).load(CODES_LAYOUT),
                       s_smem.index({s}).load(gl.SliceLayout(2, CODES_LAYOUT)), BNW, {layout})"""
-COPIES = "".join(  # the loader's three copies of a chunk
-    " " * 16 + f"async_copy.async_copy_global_to_shared({line})\n"
-    for line in (
-        "b_smem.index(buf), (a_ptr + c * 128) + b_off, mask=b_mask",
-        "w_smem.index(buf), (w_ptr + row0 * (K // 2) + c * 64) + w_off",
-        "s_smem.index(buf), (ws_ptr + row0 * (K // 16) + c * 8) + s_off",
-    )
-)
-EPILOGUE = """    _store_tile(acc, sa, sw, y_ptr, t0, n0, row_end, N, BT, NW, mma)
+COPIES = """\
+                async_copy.async_copy_global_to_shared(b_smem.index(buf), (a_ptr + c * 128) + b_off, mask=b_mask)
+                for pc in gl.static_range(BNW // PIECE):  # weight rows in pieces (192: three of 64)
+                    w_dst = w_smem.index(buf).slice(pc * PIECE, PIECE)
+                    s_dst = s_smem.index(buf).slice(pc * PIECE, PIECE)
+                    prow = row0 + pc * PIECE
+                    async_copy.async_copy_global_to_shared(w_dst, (w_ptr + prow * (K // 2) + c * 64) + w_off)
+                    async_copy.async_copy_global_to_shared(s_dst, (ws_ptr + prow * (K // 16) + c * 8) + s_off)
+"""  # the loader's copies of a chunk: activation rows (the first line), then the code and scale bytes
+EPILOGUE = """    if y_desc is None:
+        _store_tile(acc, sa, sw, y_ptr, t0, n0, row_end, N, BT, NW, mma)
+    else:
+        _store_tile_tma(acc, sa, sw, y_ptr, y_desc, y_smem.index(ROW0 // 64), t0, n0, row_end, N, BT, mma)
     return it
-"""  # the consumer tile's output (the scales it reads are dropped with it)
+"""  # the consumer tile's output, plain or TMA stores (the scales it reads are dropped with it)
 LOOKUP = "    return gl.load(tmap_ptr + pid * 4), gl.load(tmap_ptr + pid * 4 + 1), gl.load(tmap_ptr + pid * 4 + 2)\n"
 FIXED = "    return pid % 128, (pid % 128) * 16, (pid % 128) * 16 + 16  # probe: 128 experts x 16 rows, no lookup\n"
 BOUND = "gl.load(tmap_ptr + 3) * n_tiles"
 B_LAYOUT = "gl.NVMMASharedLayout.get_default_for([BT, 128], gl.float16)"
 GRID = "_sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub"
-LOADER_REGS = "loader_regs = ws_loader_regs(block_t, loader_warps, chunks)"
+LOADER_REGS = "loader_regs = ws_loader_regs(block_t, loader_warps, chunks, ROWS_PER_WARPGROUP * num_warps // 4)"
 FIXED_TILES = [
     (FENCE + STEP, ""),
     (EPILOGUE, "    return it\n"),

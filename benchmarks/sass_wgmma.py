@@ -8,8 +8,9 @@ then loader warps and the launch's register cap for the warp-specialized kernel)
 the A operand of each HGMMA (a register means the decoded weights feed wgmma directly), the wgmma
 waits (0x1: the next decode overlaps the wgmma), the register hazards sass_hazards finds (a register
 of an in-flight wgmma rewritten: what corrupted tiles on the H200 when a wgmma stayed in flight across
-the loop's back edge), spills, registers per thread, shared memory, and the K loop's instructions per
-thread and per decoded weight. tests/test_wgmma_gemm.py runs this in a subprocess (Triton's
+the loop's back edge), spills, registers per thread, shared memory, the output's TMA bulk stores
+(UTMASTG: tma_store tiles) and the K loop's instructions per thread and per decoded weight. Warps 12
+(with split): three consumer warpgroups on 192 weight rows. tests/test_wgmma_gemm.py runs this in a subprocess (Triton's
 interpreter, used by the other CPU tests, must not share the process).
 """
 
@@ -36,7 +37,16 @@ SIGNATURE = {
     "N": "i32",
     "wsdec_stride": "i32",
 }
-WS_SIGNATURE = {**SIGNATURE, "P": "i32"}  # the warp-specialized kernel's grid (persistent CTAs)
+# the warp-specialized kernel's: y_desc after y_ptr (None unless TMA stores), the grid P last (persistent CTAs)
+WS_SIGNATURE = {**{k: v for k, v in SIGNATURE.items() if k not in ("N", "wsdec_stride")}, "y_desc": "constexpr"}
+WS_SIGNATURE.update(N="i32", wsdec_stride="i32", P="i32")
+
+
+def y_descriptor_type(block_t: int) -> str:
+    """The signature type of the warp-specialized kernel's y_desc (a TMA descriptor of bf16 [BT, 64] boxes)."""
+    from quads_megatron.kernels import w4a4_wgmma as wg
+
+    return f"tensordesc<bf16[{block_t}, 64],{wg.y_box_layout(block_t)!r}>"
 
 
 def report(
@@ -54,6 +64,7 @@ def report(
     narrow: bool = False,
     pdl: bool = False,
     staged: bool = False,
+    tma_store: bool = False,
 ) -> dict:
     import triton
     from quads_megatron.kernels import w4a4_wgmma as wg
@@ -68,16 +79,24 @@ def report(
         consts = dict(K=k, HAS_AROWS=True, BT=block_t, STAGES=stages, KC=chunks, NW=num_warps, OVERLAP=overlap)
         consts.update(MASK_ROWS=mask_rows, NARROW=narrow, A_I64=False, PDL=pdl, STAGED=staged)
         consts.update(wg.ws_launch_consts(block_t, num_warps, chunks, loader_warps, maxnreg, split))
+        if not tma_store:
+            consts["y_desc"] = None
     else:
         unroll = wg.run_length(k, chunks, unroll)
         consts = dict(K=k, HAS_AROWS=True, BT=block_t, STAGES=stages, KC=chunks, UNROLL=unroll, NW=num_warps)
         consts.update(MASK_ROWS=mask_rows, CODES_LAYOUT=wg._codes_layout(num_warps), num_warps=num_warps, PDL=pdl)
     launch_warps = consts.pop("num_warps")  # a compile option, not a constexpr
+    signature = {
+        **(WS_SIGNATURE if loader_warps else SIGNATURE),
+        **dict.fromkeys(consts, "constexpr"),
+        **({"y_desc": y_descriptor_type(block_t)} if tma_store else {}),
+    }
+    aligned = [i for i, name in enumerate(signature) if name.endswith("_ptr") or name == "N"]  # as at launch (N=1536)
     src = GluonASTSource(
         fn=wg._w4a4_wgmma_ws_kernel if loader_warps else wg._w4a4_wgmma_kernel,
-        signature={**(WS_SIGNATURE if loader_warps else SIGNATURE), **dict.fromkeys(consts, "constexpr")},
+        signature=signature,
         constexprs=consts,
-        attrs={(i,): [["tt.divisibility", 16]] for i in range(8)},
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
     )
     compiled = triton.compile(
         src,
@@ -89,7 +108,7 @@ def report(
         os.makedirs(dump, exist_ok=True)
         name = f"wgmma_{block_t}_{num_warps}_{stages}_{chunks}_{unroll}_{loader_warps}" + ("_split" if split else "")
         name += ("_masked" if mask_rows else "") + ("_narrow" if narrow else "") + ("_pdl" if pdl else "")
-        name += "_staged" if staged else ""
+        name += ("_staged" if staged else "") + ("_tma_store" if tma_store else "")
         with open(os.path.join(dump, name + ".sass"), "w") as out:
             out.write(sass)
         with open(os.path.join(dump, name + ".ptx"), "w") as out:
@@ -112,10 +131,12 @@ def report(
         + (" masked rows" if mask_rows else "")
         + (" narrow" if narrow else "")
         + (" pdl" if pdl else "")
-        + (" staged" if staged else ""),
+        + (" staged" if staged else "")
+        + (" tma store" if tma_store else ""),
         "hgmma_a_operands": re.findall(r"HGMMA\.\S+ R\d+, (\S+), gdesc", sass),
         "hgmma_shape": sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass))),
         "wgmma_waits": re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass),
+        "tma_stores": len(re.findall(r"\bUTMASTG\b", sass)),
         "register_hazards": wgmma_register_hazards(sass),
         "spills": len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\s", sass)),  # local-memory stores and loads
         # ... none inside the (consumer's) K loop; and stores only just before a partition gives registers
@@ -143,7 +164,8 @@ def main() -> None:
         "tiles",
         nargs="+",
         help="BT,warps,stages,chunks[,unroll[,loader warps (the warp-specialized kernel)[,maxnreg[,split 0/1"
-        "[,mask_rows 0/1[,narrow 0/1[,pdl 0/1[,staged 0/1 (epilogue scales staged: persistent CTAs)]]]]]]]]",
+        "[,mask_rows 0/1[,narrow 0/1[,pdl 0/1[,staged 0/1 (epilogue scales staged: persistent CTAs)"
+        "[,tma_store 0/1 (full tiles leave by TMA bulk stores)]]]]]]]]]",
     )
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--json", action="store_true", help="one JSON list on stdout")
@@ -152,9 +174,9 @@ def main() -> None:
     out = []
     for t in args.tiles:
         v = [int(x) for x in t.split(",")]
-        ws, cap, split, masked, narrow, pdl, staged = (v[5:] + [0] * 7)[:7]
+        ws, cap, split, masked, narrow, pdl, staged, tma_store = (v[5:] + [0] * 8)[:8]
         kw = dict(loader_warps=ws, maxnreg=cap or None, split=bool(split), mask_rows=bool(masked), narrow=bool(narrow))
-        kw.update(pdl=bool(pdl), staged=bool(staged))
+        kw.update(pdl=bool(pdl), staged=bool(staged), tma_store=bool(tma_store))
         out.append(report(*v[:5], k=args.k, dump=args.dump, **kw))
     if args.json:
         print(json.dumps(out))

@@ -52,6 +52,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quads_megatron.nvfp4 import NVFP4InputError
 
@@ -73,6 +74,11 @@ def operand_permutation(k: int, device: torch.device | str = "cpu") -> torch.Ten
     inv = torch.empty(CHUNK, dtype=torch.int64)
     inv[logical] = p
     return (torch.arange(0, k, CHUNK)[:, None] + inv[None, :]).reshape(-1).to(device)
+
+
+def y_box_layout(block_t: int) -> gl.NVMMASharedLayout:
+    """Shared layout of a TMA-stored output box, bf16 or fp16 [block_t, 64] (128-byte rows, 128-byte swizzle)."""
+    return gl.NVMMASharedLayout.get_default_for([block_t, 64], gl.bfloat16)
 
 
 @functools.cache
@@ -113,21 +119,29 @@ def wgmma_config(rows: int, n: int, out_dtype: torch.dtype = torch.bfloat16) -> 
     1570 in one sweep, 1598 -> 1680 in another (noise of a few %). Narrow tiles (session 10: a tile whose
     expert has at most BT/2 rows left runs half-width wgmmas) with every warp-specialized tile, bit-identical:
     104.0 -> 101.5 us at 2048 rows, 131.3 -> 125.3 at 4096, 183.0 -> 178.9 at 8192, 300.8 -> 296.1 at
-    16384, 463.8 -> 453.4 at 32768; at 131072 a wash (1606 -> 1558 in one sweep, 1576 -> 1592 in another)."""
+    16384, 463.8 -> 453.4 at 32768; at 131072 a wash (1606 -> 1558 in one sweep, 1576 -> 1592 in another).
+    Session 13 (2026-12-04), bit-identical: three consumer warpgroups (192 weight rows per CTA, N % 192 == 0:
+    fc1; a third fewer activation bytes per MAC through the loader; no in-slot overlap at their 136
+    registers) 1549-1574 -> 1448 us at 131072 rows, 449 -> 431 at 32768; TMA stores of full tiles (128-row
+    CTAs) 1544 -> 1530 and 1574 -> 1549 at 131072 rows, within noise elsewhere."""
     if rows <= 1024:
         cfg = dict(block_t=16, num_warps=8, stages=3, chunks=1, unroll=1)
     elif rows <= 3072:
         cfg = dict(block_t=32, num_warps=8, stages=3, chunks=2, unroll=1, loader_warps=4, maxnreg=80, ctas_per_sm=0)
     elif rows <= 16384:
         cfg = dict(block_t=64, num_warps=8, stages=3, chunks=1, unroll=1, loader_warps=4, maxnreg=80, ctas_per_sm=0)
+    elif n % 192 == 0 and out_dtype.itemsize == 2:  # three consumer warpgroups: 192 weight rows per CTA
+        cfg = dict(block_t=128, num_warps=12, stages=2, chunks=2, unroll=1, loader_warps=4, maxnreg=128, ctas_per_sm=1)
     else:
         cfg = dict(block_t=128, num_warps=8, stages=2, chunks=2, unroll=2, loader_warps=4, maxnreg=168, ctas_per_sm=1)
         if out_dtype.itemsize > 2:
             cfg.update(stages=3, chunks=1, unroll=1)
     cfg.update(split=rows > 1024, mask_rows=True, narrow=rows > 1024)
+    # full tiles by TMA stores: persistent 128-weight-row CTAs (~1% at 131072 rows; 192 rows: no shared memory left)
+    cfg.update(tma_store=cfg.get("ctas_per_sm", 0) > 0 and cfg["num_warps"] == 8 and out_dtype.itemsize == 2)
     if n % (ROWS_PER_WARPGROUP * cfg["num_warps"] // 4):  # N a multiple of 64 only: one warpgroup, one partition
         cfg.update(block_t=min(cfg["block_t"], 64), num_warps=4, loader_warps=0, maxnreg=None, ctas_per_sm=0)
-        cfg.update(stages=3, chunks=1, unroll=1, split=False, narrow=False)
+        cfg.update(stages=3, chunks=1, unroll=1, split=False, narrow=False, tma_store=False)
     return cfg
 
 
@@ -175,13 +189,15 @@ def _decode_a(c, sc, BNW: gl.constexpr, A_LAYOUT: gl.constexpr):
 @gluon.jit
 def _alloc_ring(SLOTS: gl.constexpr, BT: gl.constexpr, BNW: gl.constexpr):
     """Shared-memory ring of SLOTS buffers, each one 128-K chunk: activation rows fp16 [BT, 128]
-    (wgmma's B layout), code bytes u8 [BNW, 64] and scale bytes u8 [BNW, 8]."""
+    (wgmma's B layout), code bytes u8 [BNW, 64] and scale bytes u8 [BNW, 8] (192 rows: in buffers of 256,
+    shapes being powers of 2)."""
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     b_smem = gl.allocate_shared_memory(
         gl.float16, [SLOTS, BT, 128], gl.NVMMASharedLayout.get_default_for([BT, 128], gl.float16)
     )
-    w_smem = gl.allocate_shared_memory(gl.uint8, [SLOTS, BNW, 64], plain)
-    s_smem = gl.allocate_shared_memory(gl.uint8, [SLOTS, BNW, 8], plain)
+    ROWS: gl.constexpr = 256 if BNW == 192 else BNW
+    w_smem = gl.allocate_shared_memory(gl.uint8, [SLOTS, ROWS, 64], plain)
+    s_smem = gl.allocate_shared_memory(gl.uint8, [SLOTS, ROWS, 8], plain)
     return b_smem, w_smem, s_smem
 
 
@@ -268,6 +284,31 @@ def _store_tile(acc, sa, sw, y_ptr, t0, n0, row_end, N, BT: gl.constexpr, NW: gl
     on = n0 + gl.arange(0, BNW, layout=gl.SliceLayout(1, out))
     orow = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, out))
     gl.store(y_ptr + orow.to(gl.int64)[None, :] * N + on[:, None], y, mask=(orow < row_end)[None, :])
+
+
+@gluon.jit
+def _store_tile_tma(acc, sa, sw, y_ptr, y_desc, y_buf, t0, n0, row_end, N, BT: gl.constexpr, MMA: gl.constexpr):
+    """_store_tile for one consumer warpgroup (64 columns) through its staging buffer y_buf (y's dtype [BT_full,
+    64], y_desc's layout): a full tile (BT rows, all before row_end) leaves by one TMA bulk store that the
+    warpgroup does not wait for; a partial one (an expert's last rows, or a narrow tile) is read back from y_buf
+    and stored with the rows past row_end masked, since a box store would overwrite the next expert's rows.
+    Waits for the warpgroup's previous bulk store to have read y_buf before writing it."""
+    y = ((acc * 16384.0) * sa[None, :] * sw).to(y_ptr.dtype.element_ty)  # [64, BT], undo 2^-7 on each operand
+    if BT != y_buf.shape[0]:  # a narrow tile: the buffer's first rows
+        y_buf = y_buf.slice(0, BT)
+    hopper.tma.store_wait(0)  # (the issuing thread's) previous store has read y_buf ...
+    _cta_barrier()  # ... before anyone writes it
+    y_buf.permute((1, 0)).store(y)
+    if BT == y_desc.block_shape[0] and t0 + BT <= row_end:
+        hopper.fence_async_shared()  # the shared stores are visible to the bulk copy (async proxy) ...
+        _cta_barrier()  # ... of every thread
+        hopper.tma.async_copy_shared_to_global(y_desc, [t0, n0], y_buf)
+    else:
+        _cta_barrier()
+        out: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [BT, 64]: 16 B of a row per thread
+        orow = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, out))
+        on = n0 + gl.arange(0, 64, layout=gl.SliceLayout(0, out))
+        gl.store(y_ptr + orow.to(gl.int64)[:, None] * N + on[None, :], y_buf.load(out), mask=(orow < row_end)[:, None])
 
 
 @gluon.jit
@@ -397,15 +438,19 @@ def _ws_loader(
     STAGES: gl.constexpr = ready.shape[0]
     KC: gl.constexpr = b_smem.shape[0] // STAGES
     b_copy: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])  # [BT, 128] fp16, 16 B each
-    w_copy: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LW, 1], [1, 0])  # [BNW, 64] u8
-    s_copy: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [LW, 1], [1, 0])  # [BNW, 8] u8
+    PIECE: gl.constexpr = 64 if BNW == 192 else BNW  # weight rows per copy (a power of 2)
+    w_copy: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LW, 1], [1, 0])  # [PIECE, 64] u8
+    if PIECE % (32 * LW) == 0:
+        s_copy: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [LW, 1], [1, 0])  # [PIECE, 8] u8, a row per thread
+    else:  # (64-row pieces) half a row per thread
+        s_copy: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [LW, 1], [1, 0])
     sa_copy: gl.constexpr = gl.BlockedLayout([1], [32], [LW], [0])  # [BT] fp32, one row per thread
     w_off = (
-        gl.arange(0, BNW, layout=gl.SliceLayout(1, w_copy))[:, None] * (K // 2)
+        gl.arange(0, PIECE, layout=gl.SliceLayout(1, w_copy))[:, None] * (K // 2)
         + gl.arange(0, 64, layout=gl.SliceLayout(0, w_copy))[None, :]
     )
     s_off = (
-        gl.arange(0, BNW, layout=gl.SliceLayout(1, s_copy))[:, None] * (K // 16)
+        gl.arange(0, PIECE, layout=gl.SliceLayout(1, s_copy))[:, None] * (K // 16)
         + gl.arange(0, 8, layout=gl.SliceLayout(0, s_copy))[None, :]
     )
     _wait_then_release(PDL)
@@ -442,8 +487,12 @@ def _ws_loader(
                 buf = slot * KC + ch
                 b_mask = b_rows if MASK_ROWS else None
                 async_copy.async_copy_global_to_shared(b_smem.index(buf), (a_ptr + c * 128) + b_off, mask=b_mask)
-                async_copy.async_copy_global_to_shared(w_smem.index(buf), (w_ptr + row0 * (K // 2) + c * 64) + w_off)
-                async_copy.async_copy_global_to_shared(s_smem.index(buf), (ws_ptr + row0 * (K // 16) + c * 8) + s_off)
+                for pc in gl.static_range(BNW // PIECE):  # weight rows in pieces (192: three of 64)
+                    w_dst = w_smem.index(buf).slice(pc * PIECE, PIECE)
+                    s_dst = s_smem.index(buf).slice(pc * PIECE, PIECE)
+                    prow = row0 + pc * PIECE
+                    async_copy.async_copy_global_to_shared(w_dst, (w_ptr + prow * (K // 2) + c * 64) + w_off)
+                    async_copy.async_copy_global_to_shared(s_dst, (ws_ptr + prow * (K // 16) + c * 8) + s_off)
             async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
             it += 1
 
@@ -467,6 +516,8 @@ def _ws_tile(
     asdec_ptr,
     wsdec_ptr,
     y_ptr,
+    y_desc,
+    y_smem,
     N,
     wsdec_stride,
     K: gl.constexpr,
@@ -477,6 +528,7 @@ def _ws_tile(
     OVERLAP: gl.constexpr,
     ROW0: gl.constexpr,
     STAGED: gl.constexpr,
+    CTA_ROWS: gl.constexpr,
 ):
     """One tile of a consumer partition, from ring k-step `it` on: per k-step wait for its slot; per
     128-K chunk decode the codes into wgmma's register operand, wgmma against the slot's first BT
@@ -484,8 +536,9 @@ def _ws_tile(
     decode inside the slot (wait(1); the slot's last chunk retires all: nothing in flight across the
     back edge); free the slot. Then the tile's epilogue: y rows t0 .. t0 + BT, the 64 * NW / 4 columns of
     this partition in N tile t % n_tiles; STAGED: S_dec_a from the loader's copy in sa_smem (it landed
-    with the tile's first k-step) and S_dec_w loaded before the K loop, else both loaded there. Returns
-    the ring's next k-step."""
+    with the tile's first k-step) and S_dec_w loaded before the K loop, else both loaded there; y_desc
+    (not None): through this warpgroup's staging buffer y_smem[ROW0 // 64] (_store_tile_tma). Returns the
+    ring's next k-step."""
     BNW: gl.constexpr = 64 * (NW // 4)
     STAGES: gl.constexpr = ready.shape[0]
     KC: gl.constexpr = b_smem.shape[0] // STAGES
@@ -505,7 +558,7 @@ def _ws_tile(
                 acc = hopper.warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index(slot), count=1)
         it += 1
-    n0 = (t % n_tiles) * w_smem.shape[1] + ROW0
+    n0 = (t % n_tiles) * CTA_ROWS + ROW0
     if STAGED:
         sa_buf = _staged_scales(sa_smem, t, P)
         if BT != sa_smem.shape[1]:  # a narrow tile: its first rows
@@ -515,7 +568,10 @@ def _ws_tile(
         sa, sw = _tile_scales(
             arows_ptr, asdec_ptr, wsdec_ptr, e, t0, row_end, wsdec_stride, HAS_AROWS, BT, gl.SliceLayout(0, mma)
         )
-    _store_tile(acc, sa, sw, y_ptr, t0, n0, row_end, N, BT, NW, mma)
+    if y_desc is None:
+        _store_tile(acc, sa, sw, y_ptr, t0, n0, row_end, N, BT, NW, mma)
+    else:
+        _store_tile_tma(acc, sa, sw, y_ptr, y_desc, y_smem.index(ROW0 // 64), t0, n0, row_end, N, BT, mma)
     return it
 
 
@@ -532,6 +588,8 @@ def _ws_consumer(
     asdec_ptr,
     wsdec_ptr,
     y_ptr,
+    y_desc,
+    y_smem,
     N,
     P,
     wsdec_stride,
@@ -545,28 +603,33 @@ def _ws_consumer(
     NARROW: gl.constexpr,
     STAGED: gl.constexpr,
     PDL: gl.constexpr,
+    CTA_ROWS: gl.constexpr,
 ):
     """Consumer partition (NW warps, 64 weight rows per warpgroup, from the slot's row ROW0: split
-    consumers are one partition per warpgroup): each of this CTA's tiles by _ws_tile. NARROW: a tile
+    consumers are one partition per warpgroup; CTA_ROWS: the CTA's weight rows, all partitions): each of
+    this CTA's tiles by _ws_tile. NARROW: a tile
     whose expert has at most BT / 2 rows left runs half-width wgmmas (the slot's first BT / 2 activation
     rows; the rest are padding) and a half-width epilogue. OVERLAP needs registers for two decoded
     chunks: at the 104 consumer registers of a two-CTAs-per-SM launch ptxas serializes every wgmma
-    instead (128 sufficed at BT32, 176 at BT64, 240 at BT128; sass_wgmma.py)."""
+    instead (128 sufficed at BT32, 176 at BT64, 240 at BT128; sass_wgmma.py). y_desc (not None): tiles
+    leave by TMA bulk stores (_store_tile_tma), the last one waited for before the partition ends."""
     _wait_then_release(PDL)
-    n_tiles = N // w_smem.shape[1]  # N tiles of the CTA's weight rows (all consumer partitions)
+    n_tiles = N // CTA_ROWS  # N tiles of the CTA's weight rows (all consumer partitions)
     it = 0  # k-steps consumed by this CTA so far
     for t in range(gl.program_id(0), gl.load(tmap_ptr + 3) * n_tiles, P):
         e, t0, row_end = _tile_coords(tmap_ptr, t // n_tiles)
         # fmt: off
         if NARROW and row_end - t0 <= BT // 2:  # (NARROW False: no branch, the wide tile alone)
             it = _ws_tile(b_smem, w_smem, s_smem, sa_smem, ready, empty, it, t, P, n_tiles, e, t0, row_end,
-                          arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT // 2, NW,
-                          CODES_LAYOUT, OVERLAP, ROW0, STAGED)
+                          arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, y_desc, y_smem, N, wsdec_stride, K, HAS_AROWS,
+                          BT // 2, NW, CODES_LAYOUT, OVERLAP, ROW0, STAGED, CTA_ROWS)
         else:
             it = _ws_tile(b_smem, w_smem, s_smem, sa_smem, ready, empty, it, t, P, n_tiles, e, t0, row_end,
-                          arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT, NW,
-                          CODES_LAYOUT, OVERLAP, ROW0, STAGED)
+                          arows_ptr, asdec_ptr, wsdec_ptr, y_ptr, y_desc, y_smem, N, wsdec_stride, K, HAS_AROWS,
+                          BT, NW, CODES_LAYOUT, OVERLAP, ROW0, STAGED, CTA_ROWS)
         # fmt: on
+    if y_desc is not None:
+        hopper.tma.store_wait(0)  # the shared memory stays until the last bulk store has read it
 
 
 @gluon.jit
@@ -579,6 +642,7 @@ def _w4a4_wgmma_ws_kernel(
     tmap_ptr,
     arows_ptr,
     y_ptr,
+    y_desc,
     N,
     wsdec_stride,
     P,
@@ -603,16 +667,18 @@ def _w4a4_wgmma_ws_kernel(
     """Warp-specialized variant of _w4a4_wgmma_kernel (KC 128-K chunks per ring slot, 1-step runs): LW
     loader warps fill the ring by cp.async and per-slot mbarriers, the NW consumer warps only decode and
     issue wgmma; no CTA-wide barrier. Triton puts a partition-wide barrier before every mbarrier wait,
-    so one consumer partition's warpgroups move in step; SPLIT (NW == 8) makes each warpgroup its own
-    partition (CONSUMER_REGS: the second one's registers), which then runs ahead of the other as far
-    as the ring allows. MASK_ROWS: activation rows past the expert are zero-filled, not read. NARROW:
+    so one consumer partition's warpgroups move in step; SPLIT (NW 8 or 12) makes each warpgroup its own
+    partition (CONSUMER_REGS: the second and third ones' registers), which then runs ahead of the others as
+    far as the ring allows; NW 12 (192 weight rows per CTA, copied in 64-row pieces into 256-row buffers)
+    needs it. MASK_ROWS: activation rows past the expert are zero-filled, not read. NARROW:
     tiles with at most BT / 2 rows left run half-width wgmmas (see _ws_consumer). Tiles (row
     tile, N tile; N fastest) t = program_id, program_id + P, ...: P = the grid, one tile per CTA when it
     covers them all, else persistent CTAs whose ring runs on from one tile into the next. STAGED
     (persistent CTAs): the loader stages each tile's S_dec_a in shared memory for the consumers' epilogue
     (its row -> token -> scale loads stalled the consumers at every tile's end, with the ring running
     on: 1596 -> 1532 us at 131072 rows on the H200); one tile per CTA loads them in the epilogue (at
-    2048 rows staging lost: 101.7 -> 105.0 us)."""
+    2048 rows staging lost: 101.7 -> 105.0 us). y_desc (SPLIT; None: plain stores): a TMA descriptor of y in
+    [BT, 64] boxes; each consumer warpgroup stages its output in a shared [BT, 64] buffer (_store_tile_tma)."""
     BNW: gl.constexpr = 64 * (NW // 4)
     b_smem, w_smem, s_smem = _alloc_ring(STAGES * KC, BT, BNW)  # buffer slot * KC + chunk
     # tiles' S_dec_a (STAGED): the loader writes tile i + SA_BUFS's after waiting for the ring slot of its first
@@ -622,18 +688,40 @@ def _w4a4_wgmma_ws_kernel(
     sa_smem = gl.allocate_shared_memory(gl.float32, [SA_BUFS, BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if y_desc is None:
+        y_smem = sa_smem  # (unused)
+    else:  # one staging buffer per consumer warpgroup
+        y_smem = gl.allocate_shared_memory(y_desc.dtype, [NW // 4, BT, 64], y_desc.layout)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=LW * 32)
-        mbarrier.init(empty.index(i), count=2 if SPLIT else 1)
-    if SPLIT:  # one consumer partition per warpgroup (NW == 8): each runs ahead on its own (see _ws_consumer)
+        mbarrier.init(empty.index(i), count=NW // 4 if SPLIT else 1)
+    if SPLIT and NW == 12:  # three consumer warpgroups: 192 weight rows per CTA
         gl.warp_specialize(
             [
                 (_ws_consumer, (b_smem, w_smem, s_smem, sa_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr,
-                                wsdec_ptr, y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 0,
-                                NARROW, STAGED, PDL)),
+                                wsdec_ptr, y_ptr, y_desc, y_smem, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT,
+                                OVERLAP, 0, NARROW, STAGED, PDL, BNW)),
                 (_ws_consumer, (b_smem, w_smem, s_smem, sa_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr,
-                                wsdec_ptr, y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT, OVERLAP, 64,
-                                NARROW, STAGED, PDL)),
+                                wsdec_ptr, y_ptr, y_desc, y_smem, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT,
+                                OVERLAP, 64, NARROW, STAGED, PDL, BNW)),
+                (_ws_consumer, (b_smem, w_smem, s_smem, sa_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr,
+                                wsdec_ptr, y_ptr, y_desc, y_smem, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT,
+                                OVERLAP, 128, NARROW, STAGED, PDL, BNW)),
+                (_ws_loader, (a_ptr, asdec_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, sa_smem,
+                              ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL)),
+            ],
+            [4, 4, LW],
+            [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS],
+        )  # fmt: skip
+    elif SPLIT:  # one consumer partition per warpgroup (NW == 8): each runs ahead on its own (see _ws_consumer)
+        gl.warp_specialize(
+            [
+                (_ws_consumer, (b_smem, w_smem, s_smem, sa_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr,
+                                wsdec_ptr, y_ptr, y_desc, y_smem, N, P, wsdec_stride, K, HAS_AROWS, BT, 4,
+                                CODES_LAYOUT, OVERLAP, 0, NARROW, STAGED, PDL, BNW)),
+                (_ws_consumer, (b_smem, w_smem, s_smem, sa_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr,
+                                wsdec_ptr, y_ptr, y_desc, y_smem, N, P, wsdec_stride, K, HAS_AROWS, BT, 4,
+                                CODES_LAYOUT, OVERLAP, 64, NARROW, STAGED, PDL, BNW)),
                 (_ws_loader, (a_ptr, asdec_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, sa_smem,
                               ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL)),
             ],
@@ -644,8 +732,8 @@ def _w4a4_wgmma_ws_kernel(
         gl.warp_specialize(  # (argument tuples inline: a tuple variable would turn the constexprs into tensors)
             [
                 (_ws_consumer, (b_smem, w_smem, s_smem, sa_smem, ready, empty, tmap_ptr, arows_ptr, asdec_ptr,
-                                wsdec_ptr, y_ptr, N, P, wsdec_stride, K, HAS_AROWS, BT, NW, CODES_LAYOUT, OVERLAP, 0,
-                                NARROW, STAGED, PDL)),
+                                wsdec_ptr, y_ptr, y_desc, y_smem, N, P, wsdec_stride, K, HAS_AROWS, BT, NW,
+                                CODES_LAYOUT, OVERLAP, 0, NARROW, STAGED, PDL, BNW)),
                 (_ws_loader, (a_ptr, asdec_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, sa_smem,
                               ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL)),
             ],
@@ -654,21 +742,23 @@ def _w4a4_wgmma_ws_kernel(
         )  # fmt: skip
 
 
-def ws_loader_regs(block_t: int, loader_warps: int, chunks: int = 1) -> int:
+def ws_loader_regs(block_t: int, loader_warps: int, chunks: int = 1, cta_rows: int = 128) -> int:
     """Registers per thread of the loader warps: one int32 offset per 16-byte activation copy (BT * 16 /
     (32 * loader_warps) per thread) plus the code and scale offsets, and a second chunk's bases (8 more
-    but at 5-8 copies); without spills outside the register handoff (sass_wgmma.py, sm_90)."""
+    but at 5-8 copies), 8 more for 192 weight rows (copied in 64-row pieces); without spills outside the
+    register handoff (sass_wgmma.py, sm_90)."""
     copies = block_t * 16 // (32 * loader_warps)
-    return (40 if copies <= 4 else 48 if copies <= 8 else 88) + (8 if chunks == 2 and copies not in range(5, 9) else 0)
+    regs = (40 if copies <= 4 else 48 if copies <= 8 else 88) + (8 if chunks == 2 and copies not in range(5, 9) else 0)
+    return regs + (8 if cta_rows == 192 else 0)
 
 
-def ws_consumer_regs(maxnreg: int | None, loader_warps: int, loader_regs: int) -> int:
-    """Registers per thread of the second consumer warpgroup of a split warp-specialized launch: an equal
-    share (a multiple of 8) of what the launch's cap leaves after the loader; the first warpgroup gets the
+def ws_consumer_regs(maxnreg: int | None, loader_warps: int, loader_regs: int, consumer_warps: int = 8) -> int:
+    """Registers per thread of the second (and third) consumer warpgroup of a split warp-specialized launch: an
+    equal share (a multiple of 8) of what the launch's cap leaves after the loader; the first warpgroup gets the
     rest. Without a cap, the register file of one CTA per SM."""
-    threads = 32 * (8 + loader_warps)
+    threads = 32 * (consumer_warps + loader_warps)
     budget = (maxnreg or 65536 // threads // 8 * 8) * threads - 32 * loader_warps * loader_regs
-    return budget // 256 // 8 * 8
+    return budget // (32 * consumer_warps) // 8 * 8
 
 
 def ws_launch_consts(
@@ -678,13 +768,13 @@ def ws_launch_consts(
     registers, split consumers and the second warpgroup's registers, the code layout of one consumer
     partition and the launch's warps (split: the first consumer warpgroup's; the second one and the
     loader are workers)."""
-    loader_regs = ws_loader_regs(block_t, loader_warps, chunks)
+    loader_regs = ws_loader_regs(block_t, loader_warps, chunks, ROWS_PER_WARPGROUP * num_warps // 4)
     partition_warps = 4 if split else num_warps
     return dict(
         LW=loader_warps,
         LOADER_REGS=loader_regs,
         SPLIT=split,
-        CONSUMER_REGS=ws_consumer_regs(maxnreg, loader_warps, loader_regs) if split else 0,
+        CONSUMER_REGS=ws_consumer_regs(maxnreg, loader_warps, loader_regs, num_warps) if split else 0,
         CODES_LAYOUT=_codes_layout(partition_warps),
         num_warps=partition_warps,
     )
@@ -748,6 +838,7 @@ def grouped_w4a4_wgmma(
     split: bool | None = None,
     mask_rows: bool | None = None,
     narrow: bool | None = None,
+    tma_store: bool | None = None,
     tiles: RowTiles | None = None,
 ) -> torch.Tensor:
     """y [rows, N] = S_dec_a * S_dec_w[e] * (A @ W_e^T) for the grouped rows of offs (see grouped_w4a4).
@@ -769,7 +860,10 @@ def grouped_w4a4_wgmma(
     wgmmas and epilogue (at 256 tokens about half the tiles; None: wgmma_config's for the configured kernel
     (loader_warps not given) with block_t >= 32, off for tiles given with loader warps); tiles: RowTiles of offs in
     block_t-row tiles made beforehand (w4a4_grouped.row_tiles, or the activation operand's .tiles; block_rows must
-    be this call's block_t); None: one tile_map launch here.
+    be this call's block_t); None: one tile_map launch here; tma_store (split consumers, bf16/fp16 output): each
+    consumer warpgroup stages a full tile's output in shared memory and leaves it to one TMA bulk store (partial
+    tiles: masked stores from that buffer; None: wgmma_config's for the configured kernel, off for tiles given
+    with loader warps).
 
     Each compiled tile's SASS is checked once (sass_hazards): multi-step runs whose wgmma register
     operand could be rewritten in flight (or whose SASS cannot be read) fall back to 1-step runs,
@@ -794,22 +888,27 @@ def grouped_w4a4_wgmma(
         ctas_per_sm = cfg.get("ctas_per_sm", 0) if ctas_per_sm is None else ctas_per_sm
         split = cfg.get("split", False) if split is None and num_warps == cfg["num_warps"] else split
         narrow = cfg["narrow"] and block_t >= 32 if narrow is None else narrow  # config's narrow: loader warps
+        tma_store = cfg["tma_store"] and bool(split) if tma_store is None else tma_store
     split, mask_rows, narrow = bool(split), cfg["mask_rows"] if mask_rows is None else bool(mask_rows), bool(narrow)
+    tma_store = bool(tma_store)
     if k % (CHUNK * chunks) or (loader_warps and k // (CHUNK * chunks) < 2):  # a 1-step K loop does not lower
         chunks = 1
     overlap = bool(loader_warps) and ws_overlap(chunks, unroll or cfg["unroll"])
     unroll = 1 if loader_warps else run_length(k, chunks, unroll or cfg["unroll"])
     min_stages = 2 if unroll == 1 else 3  # at least one k-step in flight ahead (see AHEAD in the kernel)
-    bad_warps = num_warps not in ((4, 8, 16) if loader_warps else (4, 8)) or n % (ROWS_PER_WARPGROUP * num_warps // 4)
+    warps_ok = (4, 8, 12, 16) if loader_warps else (4, 8)
+    bad_warps = num_warps not in warps_ok or n % (ROWS_PER_WARPGROUP * num_warps // 4)
     bad_loader = loader_warps not in (0, 1, 2, 4) or 32 * loader_warps > ROWS_PER_WARPGROUP * num_warps // 4
-    bad_split = split and (not loader_warps or num_warps != 8)
+    bad_split = (split and (not loader_warps or num_warps not in (8, 12))) or (num_warps == 12 and not split)
     bad_narrow = narrow and (not loader_warps or block_t < 32)
-    if bad_warps or stages < min_stages or chunks not in (1, 2) or bad_loader or bad_split or bad_narrow:
+    bad_tma = tma_store and (not split or out_dtype.itemsize != 2)
+    if bad_warps or stages < min_stages or chunks not in (1, 2) or bad_loader or bad_split or bad_narrow or bad_tma:
         raise NVFP4InputError(
-            f"bad tiles: num_warps={num_warps} (4 or 8, 16 with loader warps; N % (16 * warps) == 0), stages={stages} "
-            f"(>= {min_stages} with {unroll}-step runs), chunks={chunks} (1 or 2), loader_warps="
+            f"bad tiles: num_warps={num_warps} (4 or 8, 12 or 16 with loader warps; N % (16 * warps) == 0), "
+            f"stages={stages} (>= {min_stages} with {unroll}-step runs), chunks={chunks} (1 or 2), loader_warps="
             f"{loader_warps} (0, 1, 2 or 4, at most one per 32 weight rows of a CTA), split={split} (with "
-            f"loader warps and num_warps 8 only), narrow={narrow} (with loader warps and block_t >= 32 only)"
+            f"loader warps and num_warps 8 or 12; 12 needs it), narrow={narrow} (with loader warps and block_t >= 32 "
+            f"only), tma_store={tma_store} (split consumers and a 2-byte output only)"
         )
     dev = w_codes.device
     tiles = gemm_row_tiles(tiles, offs, block_t, m)
@@ -839,9 +938,11 @@ def grouped_w4a4_wgmma(
         tiles_ub = grid[0] * grid[1]  # row tiles are known on the device only: their upper bound
         p = min(tiles_ub, _sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub
         tile = ("ws", k, a_rows is not None, block_t, stages, num_warps, loader_warps, maxnreg, out_dtype)
-        tile += (split, mask_rows, narrow, staged)
+        tile += (split, mask_rows, narrow, staged, tma_store)
+        y_desc = TensorDescriptor.from_tensor(y, [block_t, 64], y_box_layout(block_t)) if tma_store else None
+        ws_args = (*args[:8], y_desc, *args[8:], p)
         _launch_verified(
-            lambda risky: _w4a4_wgmma_ws_kernel[(p,)](*args, p, OVERLAP=risky, **consts),
+            lambda risky: _w4a4_wgmma_ws_kernel[(p,)](*ws_args, OVERLAP=risky, **consts),
             overlap,
             tile,
             "in-slot overlap",

@@ -11,6 +11,7 @@ test_megatron_patch / test_moe_w4a4 cover the same contracts through the CPU pat
   an H200).
 """
 
+import functools
 import warnings
 
 import pytest
@@ -287,3 +288,17 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
         y = wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, *w, a_rows=tok, **kw)[:rows]
         assert y.dtype == torch.bfloat16
         assert torch.allclose(y.float(), y_triton.float(), rtol=1e-2, atol=1e-3 * y_triton.float().abs().max().item())
+    # full tiles through a shared-memory buffer and a TMA bulk store, partial ones read back and masked; fc1's
+    # 128-token tiles also on three consumer warpgroups (192 weight rows per CTA): the same bits
+    for bt, st, kc, un, regs, cps in ((32, 3, 2, 1, 80, 0), (64, 3, 1, 1, 80, 2), (128, 2, 2, 2, 168, 1)):
+        kw = dict(block_t=bt, num_warps=8, stages=st, chunks=kc, unroll=un, maxnreg=regs, loader_warps=4)
+        kw.update(ctas_per_sm=cps, split=True, mask_rows=True, narrow=True)
+        gemm = functools.partial(wg.grouped_w4a4_wgmma, perm.values, perm.global_decode, offs, *w, a_rows=tok)
+        ys = [gemm(**kw, tma_store=f) for f in (False, True)]
+        if bt == 128 and n % 192 == 0:
+            ys += [gemm(**{**kw, "num_warps": 12, "unroll": 1, "maxnreg": 128}, tma_store=False)]
+            ys += [
+                gemm(**{**kw, "num_warps": 12, "stages": 3, "chunks": 1, "unroll": 1, "maxnreg": 128}, tma_store=True)
+            ]
+        assert len(ys) == (4 if bt == 128 and layer == "fc1" else 2)
+        assert all(torch.equal(ys[0], y) for y in ys[1:]), kw

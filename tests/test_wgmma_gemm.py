@@ -84,20 +84,26 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
     """Every tile wgmma_config picks (and a few others), compiled for sm_90 in a fresh process (the
     interpreter that the other tests use patches Triton's language in this one). Tiles with loader warps
     are the warp-specialized kernel; split: its consumer warpgroups as two partitions (two K loops)."""
-    sizes = [(128, 1536), (2048, 1536), (8192, 2048), (32768, 1536), (131072, 1536), (131072, 64)]
+    sizes = [(128, 1536), (2048, 1536), (8192, 2048), (32768, 1536), (131072, 1536), (131072, 2048), (131072, 64)]
     configs = [wg.wgmma_config(r, n) for r, n in sizes] + [wg.wgmma_config(131072, 1536, torch.float32)]
     keys = ("block_t", "num_warps", "stages", "chunks", "unroll", "loader_warps", "maxnreg", "split", "mask_rows")
     keys += ("narrow",)
     tiles = sorted(  # persistent CTAs (ctas_per_sm): the epilogue's scales staged by the loader (PDL off: 0);
         # the tiles below: rows past the expert read from row 0
-        {tuple(int(c.get(key) or 0) for key in keys) + (0, int(bool(c.get("ctas_per_sm")))) for c in configs}
+        {
+            tuple(int(c.get(key) or 0) for key in keys) + (0, int(bool(c.get("ctas_per_sm"))), int(c["tma_store"]))
+            for c in configs
+        }  # fmt: skip
         | {(32, 8, 4, 2, 2, 0, 0, 0), (16, 8, 6, 1, 8, 0, 0, 0), (64, 8, 4, 1, 1, 0, 0, 0), (32, 8, 2, 1, 1, 2, 80, 0)}
         | {(16, 8, 3, 2, 1, 4, 80, 0), (32, 8, 3, 2, 1, 4, 80, 0), (128, 8, 2, 2, 2, 4, 168, 0)}
         | {(32, 8, 4, 1, 1, 4, 80, 1), (128, 8, 2, 2, 2, 4, 168, 1)}
     )
     tiles += [(32, 8, 3, 2, 1, 4, 80, 0, 1, 1), (64, 8, 3, 1, 1, 4, 80, 0, 1, 1)]  # narrow, one consumer partition
     assert any(t[9:10] == (1,) and t[7] for t in tiles)  # the default tiles include split narrow ones ...
-    assert any(t[11:] == (1,) for t in tiles) and any(t[5] and t[11:] == (0,) for t in tiles)  # staged or not
+    assert any(t[11:12] == (1,) for t in tiles) and any(t[5] and t[11:12] == (0,) for t in tiles)  # staged or not
+    tiles += [(32, 8, 3, 2, 1, 4, 80, 1, 1, 1, 0, 0, 1)]  # full tiles leave by TMA stores (and the persistent ones)
+    tiles += [(128, 12, 3, 1, 1, 4, 128, 1, 1, 1, 0, 1, 1)]  # ... with three consumer warpgroups
+    assert sum(t[12:] == (1,) for t in tiles) == 3 and any(t[1] == 12 and t[12:] == (0,) for t in tiles)
     assert any(t[5] for t in tiles) and any(not t[5] for t in tiles)
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run(
@@ -116,23 +122,27 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
         widths = [bt // 2, bt] if rest[1:2] == [1] else [bt]  # narrow: a K loop of each width
         assert r["hgmma_shape"] == sorted(f"64x{w}x16" for w in widths), r
         # 8 wgmma per 128-K chunk, A from registers (a shared-memory A would be a second descriptor)
-        mmas = 8 * kc * un * (2 if split else 1) * len(widths)
+        parts = nw // 4 if split else 1  # consumer partitions: one K loop each
+        mmas = 8 * kc * un * parts * len(widths)
         assert len(r["hgmma_a_operands"]) == mmas and all(a.startswith("R") for a in r["hgmma_a_operands"]), r
         # one-partition kernel: within a run each decode overlaps the previous chunk's wgmma, the run's last
         # chunk retires all; warp-specialized: each chunk's wgmma retired before the next decode. Either way
         # one wait per chunk (ptxas serializing the wgmmas would put one after each of the 8); with in-slot
         # overlap the slot's first chunk stays in flight under the second one's decode
         want = ["0x1", "0x0"] if overlap else ["0x0"] * kc if lw else ["0x1"] * (kc * un - 1) + ["0x0"]
-        copies = (2 if split else 1) * len(widths)
+        copies = parts * len(widths)
         assert (r["wgmma_waits"] if lw else r["wgmma_waits"][: kc * un]) == want * copies, r
         # ... and no register an in-flight wgmma reads or accumulates into is rewritten on any path
         assert r["register_hazards"] == [], r
         # no local memory, but for the loader's register handoff in the warp-specialized kernel (a few
         # values stored just before its registers shrink to 24, reloaded after they grow); none in the K loop
         assert r["regs"] <= 255 and r["smem"] <= 227 * 1024, r
-        assert r["loop_spills"] == 0 and (r["stores_at_handoff_only"] if lw else r["spills"] == 0), r
+        # (three consumer warpgroups at 128 registers per thread: the loader parks a value per tile too)
+        assert r["loop_spills"] == 0 and (r["stores_at_handoff_only"] or nw == 12 if lw else r["spills"] == 0), r
         # loader warps ride in their own warpgroup, with registers handed to the consumers (setmaxnreg)
         assert r["threads"] == 32 * (nw + (4 if lw else 0)), r
+        # TMA stores: one bulk store per consumer partition (full-width tiles only), none without
+        assert r["tma_stores"] == (parts if rest[4:5] == [1] else 0), r
         assert bool(r["setmaxnreg"]) == bool(lw), r
 
 
@@ -415,6 +425,28 @@ def test_split_consumers_launch_one_warpgroup_per_partition(monkeypatch):
     assert wg.wgmma_config(2048, n)["split"] and fake.consts[3]["num_warps"] == 4
 
 
+def test_three_consumer_warpgroups_split_192_weight_rows(monkeypatch):
+    """num_warps 12 (the prefill tiles where N % 192 == 0): three consumer partitions of 4 warps on 192 weight
+    rows per CTA (faked launch: no GPU), their register shares of the 128-register cap after the loader's
+    104; refused without split consumers or where N is not a multiple of 192."""
+    fake, _, _, k = _fake_ws_launch(monkeypatch)
+    monkeypatch.setattr(wg, "_sm_count", lambda device: 132)
+    e, n = 2, 384
+    w = (torch.zeros(e, n, k // 2, dtype=torch.uint8), torch.zeros(e, n, k // 16, dtype=torch.uint8), torch.ones(e))
+    a, s, offs = torch.zeros(300, k, dtype=torch.float16), torch.ones(300), torch.tensor([100, 300])
+    tile = dict(block_t=128, num_warps=12, stages=2, chunks=2, loader_warps=4, maxnreg=128, ctas_per_sm=1)
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, **tile, split=True)
+    c = fake.consts[0]
+    assert (c["SPLIT"], c["num_warps"], c["NW"], c["LOADER_REGS"], c["CONSUMER_REGS"]) == (True, 4, 12, 104, 136)
+    assert fake.grids[0] == (10,)  # persistent: min(132 SMs, (ceil(300 / 128) + 2 experts) row tiles x 2 N tiles)
+    with pytest.raises(NVFP4InputError, match="bad tiles"):
+        wg.grouped_w4a4_wgmma(a, s, offs, *w, **tile, split=False)
+    w2048 = tuple(x[:, :256].contiguous() if x.dim() == 3 else x for x in w)  # N = 256
+    with pytest.raises(NVFP4InputError, match="bad tiles"):
+        wg.grouped_w4a4_wgmma(a, s, offs, *w2048, **tile, split=True)
+    assert len(fake.launches) == 1
+
+
 def test_narrow_tiles_by_default_and_need_loader_warps_and_32_token_tiles(monkeypatch):
     """narrow: the warp-specialized kernel (faked: no GPU) gets NARROW with the default tiles at 2048 rows
     (also with another block_t >= 32) and where asked; not when told not to, not (left to the config) on
@@ -436,6 +468,33 @@ def test_narrow_tiles_by_default_and_need_loader_warps_and_32_token_tiles(monkey
         with pytest.raises(NVFP4InputError, match="narrow=True"):
             wg.grouped_w4a4_wgmma(a, s, offs, *w, **bad, narrow=True)
     assert len(fake.launches) == 7
+
+
+def test_tma_stores_with_the_persistent_tiles_and_only_with_split_consumers_and_a_2_byte_output(monkeypatch):
+    """tma_store: the warp-specialized kernel (faked: no GPU) gets a TMA descriptor of y in [BT, 64] boxes where
+    asked and with the persistent default tiles (131072 rows), None otherwise; without split consumers or with
+    an fp32 output it is refused before any launch."""
+    fake, w, n, k = _fake_ws_launch(monkeypatch)
+    a, s, offs = torch.zeros(2048, k, dtype=torch.float16), torch.ones(2048), torch.tensor([1024, 2048])
+    tile = dict(block_t=32, num_warps=8, stages=3, loader_warps=4, maxnreg=80, split=True)
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, **tile)
+    wg.grouped_w4a4_wgmma(a, s, offs, *w, **tile, tma_store=True)
+    wg.grouped_w4a4_wgmma(a, s, offs, *w)  # the default tiles at 2048 rows: plain stores
+    descs = [args[8] for args in fake.args]
+    assert descs[0] is None and descs[2] is None and all(args[7].shape == (2048, n) for args in fake.args)  # y
+    assert (
+        descs[1].block_shape == [32, 64] and descs[1].base.shape == (2048, n) and descs[1].base.dtype == torch.bfloat16
+    )
+    assert [wg.wgmma_config(r, 2048)["tma_store"] for r in (2048, 32768, 131072)] == [False, True, True]
+    assert (
+        not wg.wgmma_config(131072, 2048, torch.float32)["tma_store"] and not wg.wgmma_config(131072, 64)["tma_store"]
+    )
+    for bad in (dict(split=False), dict(loader_warps=0, split=False)):
+        with pytest.raises(NVFP4InputError, match="tma_store=True"):
+            wg.grouped_w4a4_wgmma(a, s, offs, *w, **{**tile, **bad}, tma_store=True)
+    with pytest.raises(NVFP4InputError, match="tma_store=True"):
+        wg.grouped_w4a4_wgmma(a, s, offs, *w, torch.float32, **tile, tma_store=True)
+    assert len(fake.launches) == 3
 
 
 def test_wgmma_config_uses_the_warp_specialized_kernel_above_1024_rows_persistent_above_16384():
@@ -464,10 +523,15 @@ def test_wgmma_config_uses_the_warp_specialized_kernel_above_1024_rows_persisten
         # half-width tiles for experts with few rows left wherever the warp-specialized kernel runs
         assert cfg["narrow"] == (lw > 0), (rows, cfg)
         assert n % (16 * cfg["num_warps"]) == 0 and 32 * lw <= 16 * cfg["num_warps"], (rows, n, cfg)
-    # 128-token tiles: 2 chunks per slot with in-slot overlap, but for an fp32 output (its epilogue scratch)
-    big, big32 = wg.wgmma_config(131072, 1536), wg.wgmma_config(131072, 1536, torch.float32)
-    assert (big["block_t"], big["chunks"], big["unroll"], big["stages"]) == (128, 2, 2, 2)
-    assert (big32["block_t"], big32["chunks"], big32["stages"]) == (128, 1, 3)
+    # 128-token tiles: three consumer warpgroups where N % 192 == 0 (2 chunks per slot, no in-slot overlap, no
+    # TMA stores), else two with in-slot overlap, but for an fp32 output (its epilogue scratch)
+    big, big2048, big32 = (wg.wgmma_config(131072, n, dt) for n, dt in ((1536, torch.bfloat16), (2048, torch.bfloat16),
+                                                                        (1536, torch.float32)))  # fmt: skip
+    assert (big["block_t"], big["num_warps"], big["chunks"], big["unroll"], big["stages"]) == (128, 12, 2, 1, 2)
+    assert (big["maxnreg"], big["tma_store"]) == (128, False) and wg.wgmma_config(32768, 1536)["num_warps"] == 12
+    assert (big2048["num_warps"], big2048["chunks"], big2048["unroll"], big2048["stages"]) == (8, 2, 2, 2)
+    assert big2048["tma_store"] and wg.wgmma_config(16384, 1536)["num_warps"] == 8
+    assert (big32["block_t"], big32["num_warps"], big32["chunks"], big32["stages"]) == (128, 8, 1, 3)
 
 
 def test_cost_probe_rewrites_still_match_the_kernel(monkeypatch):
