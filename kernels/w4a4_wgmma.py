@@ -274,11 +274,18 @@ def _staged_scales(sa_smem, t, P):
 
 
 @gluon.jit
+def _scaled_output(acc, sa, sw, dtype: gl.constexpr):
+    """The tile's output acc^T's values: acc [BNW, BT] * 2^14 (undoing 2^-7 on each operand) * S_dec_a of each
+    row (sa, fp32 [BT]) * S_dec_w (sw), in y's dtype; both epilogues' one rule."""
+    return ((acc * 16384.0) * sa[None, :] * sw).to(dtype)
+
+
+@gluon.jit
 def _store_tile(acc, sa, sw, y_ptr, t0, n0, row_end, N, BT: gl.constexpr, NW: gl.constexpr, MMA: gl.constexpr):
     """y[t0:t0+BT, n0:n0+BNW] = acc^T * 2^14 * sa[row] * sw (rows past row_end masked); sa: fp32 [BT] in
     SliceLayout(0, MMA), the rows' S_dec_a; sw: S_dec_w of the tile's expert."""
     BNW: gl.constexpr = 64 * (NW // 4)
-    y = ((acc * 16384.0) * sa[None, :] * sw).to(y_ptr.dtype.element_ty)  # undo 2^-7 on each operand
+    y = _scaled_output(acc, sa, sw, y_ptr.dtype.element_ty)
     out: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, NW], [0, 1])  # 16 B of one row's N per thread
     y = gl.convert_layout(y, out)
     on = n0 + gl.arange(0, BNW, layout=gl.SliceLayout(1, out))
@@ -293,7 +300,7 @@ def _store_tile_tma(acc, sa, sw, y_ptr, y_desc, y_buf, t0, n0, row_end, N, BT: g
     warpgroup does not wait for; a partial one (an expert's last rows, or a narrow tile) is read back from y_buf
     and stored with the rows past row_end masked, since a box store would overwrite the next expert's rows.
     Waits for the warpgroup's previous bulk store to have read y_buf before writing it."""
-    y = ((acc * 16384.0) * sa[None, :] * sw).to(y_ptr.dtype.element_ty)  # [64, BT], undo 2^-7 on each operand
+    y = _scaled_output(acc, sa, sw, y_ptr.dtype.element_ty)  # [64, BT]
     if BT != y_buf.shape[0]:  # a narrow tile: the buffer's first rows
         y_buf = y_buf.slice(0, BT)
     hopper.tma.store_wait(0)  # (the issuing thread's) previous store has read y_buf ...
