@@ -184,10 +184,12 @@ def _encode_store_chunk(
 
 @triton.jit
 def _load_pairs(x_ptr, rows64, rmask, stride_xm, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    m = rmask[:, None] & (pairs[None, :] < K // 2)
-    ptrs = x_ptr + rows64[:, None] * stride_xm + 2 * pairs[None, :]
-    return tl.load(ptrs, mask=m, other=0.0).to(tl.float32), tl.load(ptrs + 1, mask=m, other=0.0).to(tl.float32)
+    """(even, odd) elements of columns [k0, k0 + BLOCK_K) as fp32 [BLOCK_M, BLOCK_K/2]: one contiguous
+    (vectorized) load, split in registers."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    m = rmask[:, None] & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    return tl.split(tl.reshape(x, (x.shape[0], BLOCK_K // 2, 2)))
 
 
 @triton.jit
@@ -393,7 +395,7 @@ def _launch_act_quant(
 ):
     if order not in ("pairs", "wgmma"):
         raise NVFP4InputError(f"operand order must be 'pairs' or 'wgmma', got {order!r}")
-    if check:
+    if check and row_valid is None:
         nvfp4.check_quantizable(x, "activation")
     if x.dim() != 2:
         raise NVFP4InputError(f"activation must be [M, K], got {tuple(x.shape)}")
@@ -406,6 +408,8 @@ def _launch_act_quant(
         k //= 2
     if row_valid is not None and (row_valid.shape != (m,) or row_valid.dtype not in (torch.bool, torch.int8)):
         raise NVFP4InputError(f"row_valid must be bool/int8 [{m}], got {row_valid.dtype} {tuple(row_valid.shape)}")
+    if check and row_valid is not None:  # rows it drops are never read (they quantize as zeros): anything goes
+        nvfp4.check_quantizable(x[row_valid.bool()], "activation")
     check_rac_selection(k, plan, dynamic_channels)
     n_sel = min(dynamic_channels, k) // 16
     if x.stride(-1) != 1:
@@ -416,8 +420,8 @@ def _launch_act_quant(
         raise NVFP4InputError(f"dynamic RAC selects per row: block_k={block_k} must cover K={k}")
     if block_m is None:  # H200 sweep (benchmarks/probe_act_quant_tiles.py)
         block_m = 1
-    if num_warps is None:
-        num_warps = 4 if (n_sel or plan is not None) else 2
+    if num_warps is None:  # without a residual, one warp per row where the launch is throughput-bound
+        num_warps = 4 if (n_sel or plan is not None) else (1 if m >= (8192 if gated else 16384) else 2)
     dev = x.device
     has_res = n_sel > 0 or (plan is not None and plan.blocks.numel() > 0)
     sdec = torch.empty((m,), dtype=torch.float32, device=dev)

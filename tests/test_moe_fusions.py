@@ -74,6 +74,15 @@ def test_gated_operand_equals_quantizing_the_gated_activation(dtype, rac):
         kg.activation_operand(y1.float(), gated=True)
     with pytest.raises(NVFP4InputError, match="row_valid"):
         kg.activation_operand(y1, gated=True, row_valid=valid[:-1])
+    # rows row_valid drops are never read: NaN there (e.g. a GEMM's unwritten padding rows) is no error,
+    # in a kept row it is, and nothing is computed
+    dropped, kept = int((~valid).nonzero()[0]), int(valid.nonzero()[0])
+    y_nan = y1.clone()
+    y_nan[dropped, 5] = float("nan")
+    assert torch.equal(kg.activation_operand(y_nan, gated=True, row_valid=valid, **kw[rac]).values, got.values)
+    y_nan[kept, 5] = float("nan")
+    with pytest.raises(NVFP4InputError, match="NaN"):
+        kg.activation_operand(y_nan, gated=True, row_valid=valid, **kw[rac])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
