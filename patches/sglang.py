@@ -236,7 +236,7 @@ class QuadsNvfp4Config(QuantizationConfig):
         if plans is None:
             raise QuadsSglangError(
                 f"quads_nvfp4: rollout.rac.selection is static but the checkpoint has no RAC plan for {prefix!r}; "
-                "calibrate (quads_megatron.w4a4.RACCalibrator) or set rollout.rac.selection: dynamic"
+                "calibrate (examples/calibrate_rac.py) or set rollout.rac.selection: dynamic"
             )
         try:
             return LayerRAC(

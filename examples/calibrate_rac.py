@@ -1,0 +1,52 @@
+"""Static RAC plans and ModelOpt input scales from a Megatron-Core model, for `quads convert`.
+
+Runs on a CPU: builds a real megatron-core MoE layer (SwiGLU experts), feeds it a few calibration
+batches with the hooks on, and writes rac_plans.safetensors, input_amax.json and
+calibration_stats.safetensors to ./calib (or argv[1]). In a real job, wrap the script's own
+forward-only passes over representative prompts (after loading the checkpoint, with or without
+quads_megatron.apply()) on every rank:
+
+    from quads_megatron.patches.megatron_calibration import record_expert_inputs
+    with record_expert_inputs(model) as cal:          # model: the module or its pipeline chunks
+        for batch in calibration_batches:
+            forward_only(model, batch)
+    cal = cal.merged()                                # collective: every rank calls it
+    if torch.distributed.get_rank() == 0:
+        w4a4.save_calibration(out, cal, RACConfig(ratio=0.5).num_channels, num_moe_experts)
+
+then convert with the plans embedded (the quads_nvfp4 method picks them up when the rollout config
+says `rac: {selection: static}`), and static activation scales if the config asks for them:
+
+    quads convert CKPT OUT --rac-plans calib/rac_plans.safetensors --quads-config quads.yaml \\
+        [--input-amax calib/input_amax.json]
+"""
+
+import sys
+
+import torch
+from quads_megatron.patches.megatron_calibration import record_expert_inputs
+
+from quads_megatron import w4a4
+from quads_megatron.config import RACConfig
+from quads_megatron.cpu_megatron import build_moe_layer, init_distributed, install_cpu_shims_for_megatron, moe_config
+
+
+def main(out: str = "calib") -> None:
+    install_cpu_shims_for_megatron()
+    init_distributed()
+    experts = 4
+    config = moe_config(num_experts=experts, hidden=64, ffn=64, activation_func=torch.nn.functional.silu)
+    layer = build_moe_layer(config, layer_number=1)
+    g = torch.Generator().manual_seed(0)
+    with record_expert_inputs(layer) as cal:
+        for _ in range(4):  # calibration batches: [sequence, batch, hidden]
+            layer(torch.randn(32, 2, 64, generator=g) * torch.exp(torch.randn(64, generator=g)))
+    cal = cal.merged()
+    paths = w4a4.save_calibration(out, cal, RACConfig(ratio=0.5).num_channels, experts)
+    for name, plan in cal.plans(RACConfig(ratio=0.5).num_channels).items():
+        print(f"{name}: {cal.tokens[name]} rows, amax {cal.amax[name]:.3g}, RAC blocks {plan.blocks.tolist()}")
+    print("wrote", ", ".join(paths.values()))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
