@@ -122,3 +122,25 @@ def build_moe_layer(config, seed: int = 0, layer_number: int = 1):
     assert isinstance(layer, MoELayer)
     layer.set_layer_number(layer_number)
     return layer
+
+
+def random_expert_state(num_experts: int, hidden: int, ffn: int, seed: int = 0) -> dict:
+    """Global weights of one MoE layer with GLU experts: router [E, H], fc1 E x [2F, H], fc2 E x [H, F]
+    (experts at different scales, so their global NVFP4 scales differ), for expert-parallel tests."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "router": torch.randn(num_experts, hidden, generator=g) * 0.5,
+        "fc1": [torch.randn(2 * ffn, hidden, generator=g) * 0.05 * (e + 1) for e in range(num_experts)],
+        "fc2": [torch.randn(hidden, ffn, generator=g) * 0.05 for _ in range(num_experts)],
+    }
+
+
+def load_expert_state(layer, state: dict, ep_rank: int = 0) -> None:
+    """Copy random_expert_state's router and this EP rank's experts (global index ep_rank * local + i)
+    into a SequentialMLP MoE layer built by build_moe_layer."""
+    local = len(layer.experts.local_experts)
+    with torch.no_grad():
+        layer.router.weight.copy_(state["router"])
+        for i, expert in enumerate(layer.experts.local_experts):
+            expert.linear_fc1.weight.copy_(state["fc1"][ep_rank * local + i])
+            expert.linear_fc2.weight.copy_(state["fc2"][ep_rank * local + i])

@@ -269,7 +269,8 @@ def save_calibration(out_dir: str, cal: RACCalibrator, num_channels_for, num_exp
       engines take the max over a layer's experts);
     * ``calibration_stats.safetensors``: the raw block scores, with amax and row counts in its metadata.
 
-    Each file is written under a temporary name and renamed: an interrupted run leaves no partial file.
+    Each file is written under a temporary name (``.tmp``) and then renamed: an interrupted run leaves no
+    partial file under the final names.
     Returns {"rac_plans": path, "input_amax": path, "stats": path}."""
     import json
     import os

@@ -18,7 +18,9 @@ from quads_megatron.cpu_megatron import (
     free_port,
     init_distributed,
     install_cpu_shims_for_megatron,
+    load_expert_state,
     moe_config,
+    random_expert_state,
 )
 
 E, H, F, TOPK = 4, 64, 48, 2
@@ -28,18 +30,7 @@ def swiglu_config(**kw):
     return moe_config(num_experts=E, hidden=H, ffn=F, topk=TOPK, activation_func=torch.nn.functional.silu, **kw)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def megatron_world():
-    install_cpu_shims_for_megatron()
-    init_distributed()
-    yield
-
-
-@pytest.fixture(autouse=True)
-def clean_patches():
-    quads_megatron.remove()
-    yield
-    quads_megatron.remove()
+pytestmark = pytest.mark.usefixtures("megatron_world", "clean_quads_patches")
 
 
 def tokens(seed: int, n: int = 24) -> torch.Tensor:
@@ -146,13 +137,7 @@ def _ep_worker(rank: int, world: int, port: int, workdir: str) -> None:
     install_cpu_shims_for_megatron()
     init_distributed(rank, world, port=port, ep=world)
     layer = build_moe_layer(swiglu_config(), seed=0)
-    full = torch.load(os.path.join(workdir, "state.pt"))
-    local = E // world
-    with torch.no_grad():
-        layer.router.weight.copy_(full["router"])
-        for i, expert in enumerate(layer.experts.local_experts):
-            expert.linear_fc1.weight.copy_(full["fc1"][rank * local + i])
-            expert.linear_fc2.weight.copy_(full["fc2"][rank * local + i])
+    load_expert_state(layer, random_expert_state(E, H, F), rank)
     batches = [tokens(10), tokens(11)]
     with megatron_calibration.record_expert_inputs(layer) as cal:
         for x in batches if world == 1 else batches[rank : rank + 1]:  # EP=1 sees both ranks' batches
@@ -163,15 +148,6 @@ def _ep_worker(rank: int, world: int, port: int, workdir: str) -> None:
 
 
 def test_ep2_merges_to_ep1_statistics(tmp_path):
-    g = torch.Generator().manual_seed(0)
-    torch.save(
-        {
-            "router": torch.randn(E, H, generator=g) * 0.5,
-            "fc1": [torch.randn(2 * F, H, generator=g) * 0.05 * (e + 1) for e in range(E)],
-            "fc2": [torch.randn(H, F, generator=g) * 0.05 for _ in range(E)],
-        },
-        tmp_path / "state.pt",
-    )
     for world in (1, 2):
         mp.spawn(_ep_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
     stats1, amax1, tokens1 = torch.load(tmp_path / "ep1_rank0.pt")

@@ -22,21 +22,17 @@ def _worker(rank: int, world: int, port: int, workdir: str) -> None:
         build_moe_layer,
         init_distributed,
         install_cpu_shims_for_megatron,
+        load_expert_state,
         moe_config,
+        random_expert_state,
     )
 
     install_cpu_shims_for_megatron()
     init_distributed(rank, world, port=port, ep=world)
     quads_megatron.apply()
     layer = build_moe_layer(moe_config(num_experts=E, hidden=H, ffn=F), seed=0)
-    full = torch.load(os.path.join(workdir, "state.pt"))
+    load_expert_state(layer, random_expert_state(E, H, F), rank)
     local = E // world
-    with torch.no_grad():
-        layer.router.weight.copy_(full["router"])
-        for i, expert in enumerate(layer.experts.local_experts):
-            g = rank * local + i
-            expert.linear_fc1.weight.copy_(full["fc1"][g])
-            expert.linear_fc2.weight.copy_(full["fc2"][g])
     inputs = torch.load(os.path.join(workdir, "inputs.pt"))
     mine = inputs if world == 1 else inputs[rank : rank + 1]
     outs, xgrads = [], []
@@ -66,14 +62,6 @@ def _worker(rank: int, world: int, port: int, workdir: str) -> None:
 
 def test_ep2_matches_ep1_with_quads(tmp_path):
     g = torch.Generator().manual_seed(0)
-    torch.save(
-        {
-            "router": torch.randn(E, H, generator=g) * 0.5,
-            "fc1": [torch.randn(2 * F, H, generator=g) * 0.05 * (e + 1) for e in range(E)],
-            "fc2": [torch.randn(H, F, generator=g) * 0.05 for e in range(E)],
-        },
-        tmp_path / "state.pt",
-    )
     torch.save(torch.randn(2, 6, 2, H, generator=g), tmp_path / "inputs.pt")  # one batch per EP rank
     for world in (1, 2):
         mp.spawn(_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)

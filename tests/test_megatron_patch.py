@@ -6,22 +6,9 @@ from quads_megatron.patches import megatron_core
 
 import quads_megatron
 from quads_megatron import fake_quant, nvfp4
-from quads_megatron.cpu_megatron import build_moe_layer, init_distributed, install_cpu_shims_for_megatron, moe_config
+from quads_megatron.cpu_megatron import build_moe_layer, moe_config
 
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron_world():
-    install_cpu_shims_for_megatron()
-    init_distributed()
-    yield
-
-
-@pytest.fixture(autouse=True)
-def clean_patches():
-    quads_megatron.remove()
-    fake_quant.reset_stats()
-    yield
-    quads_megatron.remove()
+pytestmark = pytest.mark.usefixtures("megatron_world", "clean_quads_patches")
 
 
 def expert_weights(layer):
