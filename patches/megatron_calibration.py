@@ -33,6 +33,18 @@ _ACTIVATIONS = {torch.nn.functional.silu: "silu"}  # what the rollout's experts 
 
 
 def _activation_name(config: Any) -> str:
+    """The rollout's name of config's expert activation; QuadsPatchError for experts whose fc1 / fc2
+    inputs differ from what the rollout quantizes, or that never call linear_fc1 as a module."""
+    if getattr(config, "moe_apply_probs_on_input", False):
+        raise QuadsPatchError(
+            "RAC calibration: moe_apply_probs_on_input scales fc1's input by the router weights; the W4A4 "
+            "rollout applies them at the combine, so fc1's input here is not what it quantizes"
+        )
+    if getattr(config, "use_transformer_engine_op_fuser", False):
+        raise QuadsPatchError(
+            "RAC calibration: use_transformer_engine_op_fuser runs fused TE ops that bypass linear_fc1's "
+            "forward (the hooks would record nothing); turn the op fuser off for calibration"
+        )
     act = getattr(config, "activation_func", None)
     if not getattr(config, "gated_linear_unit", False) or act not in _ACTIVATIONS:
         raise QuadsPatchError(
@@ -59,8 +71,9 @@ def _expert_tp() -> tuple[int, int, Any]:
     )
 
 
-def _fc1_hook(cal: RACCalibrator, prefix: str, activation: str):
+def _fc1_hook(cal: RACCalibrator, prefix: str, activation: str, calls: dict[str, int]):
     def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        calls[prefix] += 1
         x = args[0]
         y, bias = output if isinstance(output, tuple) else (output, None)
         with torch.no_grad():
@@ -107,15 +120,20 @@ def record_expert_inputs(
     layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
     if not layers:
         raise QuadsPatchError("RAC calibration: the model has no Megatron-Core MoELayer")
-    handles = []
+    handles, calls = [], {}
     try:
         for layer in layers:
             number = getattr(layer, "layer_number", None)
             if not isinstance(number, int) or number < 1:
                 raise QuadsPatchError(f"RAC calibration: MoE layer without a layer_number ({number!r})")
-            hook = _fc1_hook(cal, f"{hf_prefix}.{number - 1}.mlp.experts", _activation_name(layer.config))
+            prefix = f"{hf_prefix}.{number - 1}.mlp.experts"
+            calls[prefix] = 0
+            hook = _fc1_hook(cal, prefix, _activation_name(layer.config), calls)
             handles += [mod.register_forward_hook(hook) for mod in _fc1_modules(layer)]
         yield cal
+        silent = [p for p, n in calls.items() if n == 0]
+        if silent and len(silent) < len(calls):  # some layers ran their experts without linear_fc1's forward
+            raise QuadsPatchError(f"RAC calibration: no expert rows reached linear_fc1 of {silent[:4]}")
     finally:
         for h in handles:
             h.remove()

@@ -131,6 +131,19 @@ def test_experts_the_rollout_cannot_serve_are_refused_without_hooks_left():
     with pytest.raises(megatron_core.QuadsPatchError, match="no Megatron-Core MoELayer"):
         with megatron_calibration.record_expert_inputs(torch.nn.Linear(2, 2)):
             pass
+    for field in ("moe_apply_probs_on_input", "use_transformer_engine_op_fuser"):
+        layer = build_moe_layer(swiglu_config(), seed=0)
+        setattr(layer.config, field, True)  # fc1's input would not be the rollout's / hooks never fire
+        with pytest.raises(megatron_core.QuadsPatchError, match=field):
+            with megatron_calibration.record_expert_inputs(layer):
+                pass
+
+
+def test_a_layer_whose_experts_bypass_the_hooks_is_reported():
+    layers = torch.nn.ModuleList([build_moe_layer(swiglu_config(), seed=0, layer_number=n) for n in (1, 2)])
+    with pytest.raises(megatron_core.QuadsPatchError, match=r"model.layers.1.mlp.experts"):
+        with megatron_calibration.record_expert_inputs(layers):
+            layers[0](tokens(1))  # layer 2 never runs: like fused experts that skip linear_fc1
 
 
 def _ep_worker(rank: int, world: int, port: int, workdir: str) -> None:
