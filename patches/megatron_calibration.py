@@ -71,7 +71,9 @@ def _expert_tp() -> tuple[int, int, Any]:
     )
 
 
-def _fc1_hook(cal: RACCalibrator, prefix: str, activation: str, calls: dict[str, int]):
+def _fc1_hook(cal: RACCalibrator, prefix: str, activation: str, calls: dict[str, int], etp: tuple[int, int, Any]):
+    rank, size, group = etp  # expert tensor parallel: (rank, size, group)
+
     def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
         calls[prefix] += 1
         x = args[0]
@@ -82,7 +84,6 @@ def _fc1_hook(cal: RACCalibrator, prefix: str, activation: str, calls: dict[str,
             if bias is not None:
                 y = y + bias.detach()
             h = moe_w4a4.gated_activation(y, activation)  # this rank's channels of fc2's input
-            rank, size, group = _expert_tp()
             if size > 1:  # [gate_r | up_r] per rank -> h holds channel slice r of the intermediate
                 parts = [torch.empty_like(h) for _ in range(size)]
                 torch.distributed.all_gather(parts, h.contiguous(), group=group)
@@ -120,7 +121,7 @@ def record_expert_inputs(
     layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
     if not layers:
         raise QuadsPatchError("RAC calibration: the model has no Megatron-Core MoELayer")
-    handles, calls = [], {}
+    handles, calls, etp = [], {}, _expert_tp()
     try:
         for layer in layers:
             number = getattr(layer, "layer_number", None)
@@ -128,7 +129,7 @@ def record_expert_inputs(
                 raise QuadsPatchError(f"RAC calibration: MoE layer without a layer_number ({number!r})")
             prefix = f"{hf_prefix}.{number - 1}.mlp.experts"
             calls[prefix] = 0
-            hook = _fc1_hook(cal, prefix, _activation_name(layer.config), calls)
+            hook = _fc1_hook(cal, prefix, _activation_name(layer.config), calls, etp)
             handles += [mod.register_forward_hook(hook) for mod in _fc1_modules(layer)]
         yield cal
         silent = [p for p, n in calls.items() if n == 0]
