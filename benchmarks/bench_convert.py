@@ -17,7 +17,7 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from quads_megatron.convert import INDEX, ConvertOptions, convert_hf
+from quads_megatron.checkpoint import INDEX, ConvertOptions, convert_hf
 
 
 def make_checkpoint(path: str, layers: int, experts: int, hidden: int, inter: int) -> int:

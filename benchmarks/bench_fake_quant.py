@@ -16,7 +16,12 @@ import torch
 
 import quads_megatron
 from quads_megatron import fake_quant
-from quads_megatron.cpu_megatron import build_moe_layer, init_distributed, install_cpu_shims_for_megatron, moe_config
+from quads_megatron.demo.cpu_megatron import (
+    build_moe_layer,
+    init_distributed,
+    install_cpu_shims_for_megatron,
+    moe_config,
+)
 
 
 def step_time(layer, x, micro_batches: int, steps: int) -> float:

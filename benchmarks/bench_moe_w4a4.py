@@ -18,24 +18,24 @@ import json
 import os
 import platform
 import re
-import sys
 
 import torch
 
-# the checkout last: an installed quads_megatron (its kernels/ mapped in) wins over the source tree
-sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
-
-from quads_megatron.kernels import nvfp4_quant  # noqa: E402
-from quads_megatron.kernels import w4a4_grouped as kg  # noqa: E402
+from quads_megatron.kernels import nvfp4_quant
+from quads_megatron.kernels import w4a4_grouped as kg
 
 try:
-    from quads_megatron.kernels import w4a4_wgmma as wg  # noqa: E402
+    from quads_megatron.kernels import w4a4_wgmma as wg
 except ImportError:  # a Triton without Gluon's Hopper API: the table leaves its columns out
     wg = None
 
-from quads_megatron import moe_w4a4 as moe  # noqa: E402
-from quads_megatron import nvfp4, w4a4  # noqa: E402
-from quads_megatron.config import RACConfig  # noqa: E402
+from quads_megatron import nvfp4
+from quads_megatron.config import RACConfig
+from quads_megatron.rollout import moe_block as moe
+from quads_megatron.rollout import (
+    rac_plan,
+    reference,
+)
 
 E, HIDDEN, INTER, TOPK = 128, 2048, 768, 8
 PAIRED_ROUNDS = 5
@@ -109,15 +109,16 @@ def checks(log) -> dict:
         torch.randn(512, HIDDEN, generator=g, device="cuda")
         * torch.exp(torch.randn(HIDDEN, generator=g, device="cuda"))
     ).bfloat16()
-    plan = w4a4.RACPlan.from_scores(w4a4.residual_block_scores(x).sum(0), RACConfig(ratio=0.25).num_channels(HIDDEN))
+    scores = reference.residual_block_scores(x).sum(0)
+    plan = rac_plan.RACPlan.from_scores(scores, RACConfig(ratio=0.25).num_channels(HIDDEN))
     ok = True
     for p in (None, plan):
         for amax in (None, torch.tensor(20.0, device="cuda")):
-            a, b = w4a4.quantize_activation(x, p, amax), kg.quantize_activation(x, p, amax)
+            a, b = reference.quantize_activation(x, p, amax), kg.quantize_activation(x, p, amax)
             ok &= a.x.same_bits(b.x) and (p is None or a.residual.same_bits(b.residual))
     res["triton_act_rac_quant_bit_identical_gpu"] = bool(ok)
     a, b = (
-        w4a4.quantize_activation(x, dynamic_channels=HIDDEN // 2),
+        reference.quantize_activation(x, dynamic_channels=HIDDEN // 2),
         kg.quantize_activation(x, dynamic_channels=HIDDEN // 2),
     )
     res["triton_dynamic_rac_quant_bit_identical_gpu"] = bool(a.x.same_bits(b.x) and a.residual.same_bits(b.residual))
@@ -129,7 +130,7 @@ def checks(log) -> dict:
         * torch.exp(torch.randn(HIDDEN, generator=g, device="cuda"))
     ).bfloat16()
     for p in (None, plan):
-        ref = w4a4.grouped_w4a4_reference(xr, offs, ws, None if p is None else [p] * E)
+        ref = reference.grouped_w4a4_reference(xr, offs, ws, None if p is None else [p] * E)
         qa = kg.quantize_activation(xr, p)
         for cfg in CONFIGS:
             y = kg.grouped_w4a4(
@@ -171,14 +172,14 @@ def accuracy_table(log) -> list[dict]:
         chan = torch.exp(torch.randn(k, generator=g, device="cuda") * 1.0)
         x = (torch.randn(4096, k, generator=g, device="cuda") * chan).bfloat16()
         trainer = x.float() @ nvfp4.dequantize(w).t()
-        scores = w4a4.residual_block_scores(x[:1024]).sum(0)  # calibrate on a held-out slice
+        scores = reference.residual_block_scores(x[:1024]).sum(0)  # calibrate on a held-out slice
         xe = x[1024:]
         te = trainer[1024:]
         row = {"layer": name}
         for ratio in (0.0, 0.125, 0.25, 0.5, 1.0):
             nch = RACConfig(ratio=ratio).num_channels(k)
-            plan = w4a4.RACPlan.from_scores(scores, nch) if nch else None
-            y = w4a4.w4a4_linear_reference(w4a4.quantize_activation(xe, plan), w)
+            plan = rac_plan.RACPlan.from_scores(scores, nch) if nch else None
+            y = reference.w4a4_linear_reference(reference.quantize_activation(xe, plan), w)
             row[f"rac_{ratio}"] = ((y - te).norm() / te.norm()).item()
         rows.append(row)
         log(f"accuracy {row}")
@@ -308,7 +309,7 @@ def time_sizes(tokens_list, log) -> list[dict]:
         r["w4a4_total_eager_us"] = bench_eager(w4a4_step)  # with Python launch overhead, no graph
         for ratio in (0.125, 0.25, 0.5):
             nch = RACConfig(ratio=ratio).num_channels(HIDDEN)
-            plan = w4a4.RACPlan.from_scores(w4a4.residual_block_scores(xt[:256]).sum(0), nch)
+            plan = rac_plan.RACPlan.from_scores(reference.residual_block_scores(xt[:256]).sum(0), nch)
             mask = plan.block_mask("cuda").to(torch.int8)
             tag = f"rac{int(ratio * 1000) / 10}"
             r[f"{tag}_total_us"] = bench(lambda plan=plan, mask=mask: w4a4_step(plan, mask))

@@ -6,13 +6,13 @@ calibration_stats.safetensors to ./calib (or argv[1]). In a real job, wrap the s
 forward-only passes over representative prompts (after loading the checkpoint, with or without
 quads_megatron.apply()) on every rank:
 
-    from quads_megatron.patches.megatron_calibration import record_expert_inputs
+    from quads_megatron.integrations.megatron.calibration import record_expert_inputs
     with record_expert_inputs(model) as cal:          # model: the module or its pipeline chunks
         for batch in calibration_batches:
             forward_only(model, batch)
     cal = cal.merged()                                # collective: every rank calls it
     if torch.distributed.get_rank() == 0:
-        w4a4.save_calibration(out, cal, RACConfig(ratio=0.5).num_channels, num_moe_experts)
+        calibration.save_calibration(out, cal, RACConfig(ratio=0.5).num_channels, num_moe_experts)
 
 then convert with the plans embedded (the quads_nvfp4 method picks them up when the rollout config
 says `rac: {selection: static}`), and static activation scales if the config asks for them:
@@ -24,11 +24,16 @@ says `rac: {selection: static}`), and static activation scales if the config ask
 import sys
 
 import torch
-from quads_megatron.patches.megatron_calibration import record_expert_inputs
 
-from quads_megatron import w4a4
 from quads_megatron.config import RACConfig
-from quads_megatron.cpu_megatron import build_moe_layer, init_distributed, install_cpu_shims_for_megatron, moe_config
+from quads_megatron.demo.cpu_megatron import (
+    build_moe_layer,
+    init_distributed,
+    install_cpu_shims_for_megatron,
+    moe_config,
+)
+from quads_megatron.integrations.megatron.calibration import record_expert_inputs
+from quads_megatron.rollout import calibration
 
 
 def main(out: str = "calib") -> None:
@@ -42,7 +47,7 @@ def main(out: str = "calib") -> None:
         for _ in range(4):  # calibration batches: [sequence, batch, hidden]
             layer(torch.randn(32, 2, 64, generator=g) * torch.exp(torch.randn(64, generator=g)))
     cal = cal.merged()
-    paths = w4a4.save_calibration(out, cal, RACConfig(ratio=0.5).num_channels, experts)
+    paths = calibration.save_calibration(out, cal, RACConfig(ratio=0.5).num_channels, experts)
     for name, plan in cal.plans(RACConfig(ratio=0.5).num_channels).items():
         print(f"{name}: {cal.tokens[name]} rows, amax {cal.amax[name]:.3g}, RAC blocks {plan.blocks.tolist()}")
     print("wrote", ", ".join(paths.values()))

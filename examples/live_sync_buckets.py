@@ -6,15 +6,20 @@ real job, call megatron_expert_tensors(model.named_parameters(), ep_rank, num_lo
 every EP rank (after gathering expert-TP shards) and send each bucket to an SGLang server that
 runs the quads_nvfp4 method:
 
-    engine.update_weights_from_tensor(bucket, load_format="quads_megatron.patches.sglang.load_weights")
+    engine.update_weights_from_tensor(bucket, load_format="quads_megatron.integrations.sglang.load_weights")
 
-(the server was launched with --custom-weight-loader quads_megatron.patches.sglang.load_weights).
+(the server was launched with --custom-weight-loader quads_megatron.integrations.sglang.load_weights).
 Each bucket keeps an expert's gate and up together (they share one global scale), so the server
 can check and apply it on its own.
 """
 
-from quads_megatron import convert
-from quads_megatron.cpu_megatron import build_moe_layer, init_distributed, install_cpu_shims_for_megatron, moe_config
+from quads_megatron import checkpoint
+from quads_megatron.demo.cpu_megatron import (
+    build_moe_layer,
+    init_distributed,
+    install_cpu_shims_for_megatron,
+    moe_config,
+)
 
 
 def main() -> None:
@@ -22,8 +27,8 @@ def main() -> None:
     init_distributed()
     layer = build_moe_layer(moe_config(num_experts=4, hidden=64, ffn=64), layer_number=1)
     named = [(f"decoder.layers.0.mlp.{n}", p.detach()) for n, p in layer.named_parameters()]
-    tensors = convert.megatron_expert_tensors(named, ep_rank=0, num_local_experts=4)
-    for i, bucket in enumerate(convert.bucketed(tensors, bucket_bytes=16 << 10)):
+    tensors = checkpoint.megatron_expert_tensors(named, ep_rank=0, num_local_experts=4)
+    for i, bucket in enumerate(checkpoint.bucketed(tensors, bucket_bytes=16 << 10)):
         size = sum(t.numel() * t.element_size() for _, t in bucket)
         print(f"bucket {i}: {len(bucket)} tensors, {size} bytes")
         for name, t in bucket[:4]:

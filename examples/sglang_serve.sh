@@ -9,5 +9,5 @@ shift
 python -m sglang.launch_server \
   --model-path "$MODEL" \
   --quantization quads_nvfp4 \
-  --custom-weight-loader quads_megatron.patches.sglang.load_weights \
+  --custom-weight-loader quads_megatron.integrations.sglang.load_weights \
   "$@"

@@ -17,7 +17,7 @@ def _seed():
 @pytest.fixture(scope="module")
 def megatron_world():
     """A one-process gloo world with megatron parallel state (CPU shims installed) for a test module."""
-    from quads_megatron.cpu_megatron import init_distributed, install_cpu_shims_for_megatron
+    from quads_megatron.demo.cpu_megatron import init_distributed, install_cpu_shims_for_megatron
 
     install_cpu_shims_for_megatron()
     init_distributed()

@@ -8,20 +8,21 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from quads_megatron.patches import megatron_calibration, megatron_core
 
 import quads_megatron
-from quads_megatron import convert, moe_w4a4, nvfp4, w4a4
+from helpers import free_port, load_expert_state, random_expert_state
+from quads_megatron import checkpoint, nvfp4
 from quads_megatron.config import RACConfig
-from quads_megatron.cpu_megatron import (
+from quads_megatron.demo.cpu_megatron import (
     build_moe_layer,
-    free_port,
     init_distributed,
     install_cpu_shims_for_megatron,
-    load_expert_state,
     moe_config,
-    random_expert_state,
 )
+from quads_megatron.errors import RACPlanError
+from quads_megatron.integrations.megatron import calibration as megatron_calibration
+from quads_megatron.integrations.megatron import qat as megatron_core
+from quads_megatron.rollout import calibration, moe_block, reference
 
 E, H, F, TOPK = 4, 64, 48, 2
 
@@ -53,7 +54,7 @@ def expected(layer, xs, qat: bool) -> dict[str, list[torch.Tensor]]:
                 w1 = expert.linear_fc1.weight.detach()
                 y = rows @ (nvfp4.qdq(w1) if qat else w1).t()
                 out["w13"].append(rows)
-                out["w2"].append(moe_w4a4.gated_activation(y, "silu"))
+                out["w2"].append(moe_block.gated_activation(y, "silu"))
     return out
 
 
@@ -75,7 +76,7 @@ def test_hooks_record_what_the_rollout_gemms_quantize(qat):
         assert cal.tokens[f"{prefix}.{gemm}"] == rows.shape[0] == 2 * 24 * TOPK
         assert cal.amax[f"{prefix}.{gemm}"] == pytest.approx(float(rows.abs().max()), rel=1e-6)
         torch.testing.assert_close(
-            cal.stats[f"{prefix}.{gemm}"], w4a4.residual_block_scores(rows).sum(0), rtol=1e-4, atol=1e-6
+            cal.stats[f"{prefix}.{gemm}"], reference.residual_block_scores(rows).sum(0), rtol=1e-4, atol=1e-6
         )
     plans = cal.plans(RACConfig(ratio=0.25).num_channels)
     assert plans[f"{prefix}.w13"].num_channels == H // 4 and 1 in plans[f"{prefix}.w13"].blocks.tolist()
@@ -86,9 +87,9 @@ def test_calibration_files_are_what_convert_reads(tmp_path):
     layer = build_moe_layer(swiglu_config(), seed=0, layer_number=1)
     with megatron_calibration.record_expert_inputs(layer) as cal:
         layer(tokens(1))
-    paths = w4a4.save_calibration(str(tmp_path / "calib"), cal.merged(), RACConfig(ratio=0.5).num_channels, E)
+    paths = calibration.save_calibration(str(tmp_path / "calib"), cal.merged(), RACConfig(ratio=0.5).num_channels, E)
     assert sorted(os.listdir(tmp_path / "calib")) == sorted(os.path.basename(p) for p in paths.values())
-    extras = convert.quads_extras(None, paths["rac_plans"])  # what `quads convert --rac-plans` embeds
+    extras = checkpoint.quads_extras(None, paths["rac_plans"])  # what `quads convert --rac-plans` embeds
     plans = cal.plans(RACConfig(ratio=0.5).num_channels)
     for gemm in ("w13", "w2"):
         got = extras["rac_plans"]["model.layers.0.mlp.experts"][gemm]
@@ -96,7 +97,7 @@ def test_calibration_files_are_what_convert_reads(tmp_path):
     with open(paths["input_amax"]) as f:
         amax = json.load(f)
     named = [(f"decoder.layers.0.mlp.{n}", p.detach()) for n, p in layer.named_parameters()]
-    tensors = dict(convert.megatron_expert_tensors(named, 0, E, input_amax=amax))
+    tensors = dict(checkpoint.megatron_expert_tensors(named, 0, E, input_amax=amax))
     for e in range(E):
         base = f"model.layers.0.mlp.experts.{e}"
         for proj, gemm in (("gate_proj", "w13"), ("up_proj", "w13"), ("down_proj", "w2")):
@@ -105,20 +106,20 @@ def test_calibration_files_are_what_convert_reads(tmp_path):
 
 
 def test_bad_calibrations_are_refused_and_write_nothing(tmp_path):
-    cal = w4a4.RACCalibrator()
+    cal = calibration.RACCalibrator()
     cal.observe("model.layers.0.mlp.experts.w13", torch.randn(4, 32))
-    with pytest.raises(nvfp4.NVFP4InputError, match="both w13 and w2"):
-        w4a4.save_calibration(str(tmp_path / "a"), cal, lambda k: 16, E)
+    with pytest.raises(RACPlanError, match="both w13 and w2"):
+        calibration.save_calibration(str(tmp_path / "a"), cal, lambda k: 16, E)
     cal.observe("fc1_of_something", torch.randn(4, 32))
-    with pytest.raises(nvfp4.NVFP4InputError, match="not named"):
-        w4a4.save_calibration(str(tmp_path / "b"), cal, lambda k: 16, E)
+    with pytest.raises(RACPlanError, match="not named"):
+        calibration.save_calibration(str(tmp_path / "b"), cal, lambda k: 16, E)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     x = torch.randn(4, 32)
     x[2, 7] = float("nan")
     with pytest.raises(nvfp4.NVFP4InputError, match="calibration input of L.w13.*NaN"):
         cal.observe("L.w13", x)
     assert "L.w13" not in cal.stats and "L.w13" not in cal.tokens
-    with pytest.raises(nvfp4.NVFP4InputError, match="K/16"):
+    with pytest.raises(RACPlanError, match="K/16"):
         cal.observe("model.layers.0.mlp.experts.w13", torch.randn(4, 48))
 
 

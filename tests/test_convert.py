@@ -8,9 +8,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from quads_megatron import convert, fake_quant, nvfp4
+from quads_megatron import checkpoint, fake_quant, nvfp4
+from quads_megatron.checkpoint import ConvertError, ConvertOptions
+from quads_megatron.checkpoint import hf as hf_convert
 from quads_megatron.cli import main as cli_main
-from quads_megatron.convert import ConvertError, ConvertOptions
 
 H, F, E, L = 32, 48, 4, 2
 
@@ -44,7 +45,7 @@ def write_hf(path, sd, shards=2):
         fname = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
         save_file({n: sd[n] for n in part}, os.path.join(path, fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in part})
-    with open(os.path.join(path, convert.INDEX), "w") as f:
+    with open(os.path.join(path, checkpoint.INDEX), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"model_type": "qwen3_moe", "hidden_size": H}, f)
@@ -54,7 +55,7 @@ def write_hf(path, sd, shards=2):
 
 
 def read_all(path) -> dict[str, torch.Tensor]:
-    with open(os.path.join(path, convert.INDEX)) as f:
+    with open(os.path.join(path, checkpoint.INDEX)) as f:
         wm = json.load(f)["weight_map"]
     out = {}
     for shard in sorted(set(wm.values())):
@@ -73,7 +74,7 @@ def dq(out, mod):
 def test_converted_experts_equal_trainer_qdq_bit_for_bit(tmp_path):
     sd = hf_moe_state()
     src = write_hf(tmp_path / "hf", sd)
-    summary = convert.convert_hf(str(src), str(tmp_path / "nvfp4"), ConvertOptions(verify=True, progress=False))
+    summary = checkpoint.convert_hf(str(src), str(tmp_path / "nvfp4"), ConvertOptions(verify=True, progress=False))
     assert summary["quantized_modules"] == L * E * 3
     out = read_all(tmp_path / "nvfp4")
     spec = fake_quant.FakeQuantSpec()
@@ -108,7 +109,7 @@ def test_exclude_calibration_and_shared_amax(tmp_path):
         input_amax={"model.layers.0.mlp.experts.0.down_proj": 12.0},
         progress=False,
     )
-    convert.convert_hf(str(src), str(tmp_path / "out"), opts)
+    checkpoint.convert_hf(str(src), str(tmp_path / "out"), opts)
     out = read_all(tmp_path / "out")
     assert out["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == torch.bfloat16
     assert out["model.layers.0.mlp.experts.0.down_proj.input_scale"].item() == pytest.approx(12.0 / 2688, rel=1e-6)
@@ -120,35 +121,35 @@ def test_bad_inputs_are_refused_and_nothing_is_written(tmp_path):
     sd["model.layers.0.mlp.experts.2.up_proj.weight"][3, 4] = float("nan")
     src = write_hf(tmp_path / "hf", sd)
     with pytest.raises(ConvertError, match="experts.2.up_proj.weight: contains NaN"):
-        convert.convert_hf(str(src), str(tmp_path / "out"), ConvertOptions(progress=False))
+        checkpoint.convert_hf(str(src), str(tmp_path / "out"), ConvertOptions(progress=False))
     assert not (tmp_path / "out").exists()
 
     sd = hf_moe_state()
     sd["model.layers.0.mlp.experts.0.down_proj.weight"] = torch.randn(H, 40).bfloat16()
     src = write_hf(tmp_path / "hf2", sd)
     with pytest.raises(ConvertError, match="multiple of 16"):
-        convert.convert_hf(str(src), str(tmp_path / "out"), ConvertOptions(progress=False))
+        checkpoint.convert_hf(str(src), str(tmp_path / "out"), ConvertOptions(progress=False))
 
     dense = {"model.layers.0.mlp.down_proj.weight": torch.randn(H, F)}
     src = write_hf(tmp_path / "dense", dense, shards=1)
     with pytest.raises(ConvertError, match="no MoE expert weights recognised"):
-        convert.convert_hf(str(src), str(tmp_path / "out"), ConvertOptions(progress=False))
+        checkpoint.convert_hf(str(src), str(tmp_path / "out"), ConvertOptions(progress=False))
 
     src = write_hf(tmp_path / "half", hf_moe_state())
     os.remove(src / "model-00002-of-00002.safetensors")
     with pytest.raises(ConvertError, match="missing \\(half-written checkpoint\\?\\)"):
-        convert.convert_hf(str(src), str(tmp_path / "out"), ConvertOptions(progress=False))
+        checkpoint.convert_hf(str(src), str(tmp_path / "out"), ConvertOptions(progress=False))
 
     src = write_hf(tmp_path / "ok", hf_moe_state())
     os.makedirs(tmp_path / "exists")
     with pytest.raises(ConvertError, match="exists"):
-        convert.convert_hf(str(src), str(tmp_path / "exists"), ConvertOptions(progress=False))
+        checkpoint.convert_hf(str(src), str(tmp_path / "exists"), ConvertOptions(progress=False))
 
 
 def test_resume_after_interruption(tmp_path, monkeypatch):
     src = write_hf(tmp_path / "hf", hf_moe_state())
     dst = str(tmp_path / "out")
-    real_save = convert.save_file
+    real_save = hf_convert.save_file
     calls = []
 
     def failing_save(tensors, path, metadata=None):
@@ -157,14 +158,14 @@ def test_resume_after_interruption(tmp_path, monkeypatch):
             raise KeyboardInterrupt  # killed while writing the second shard
         real_save(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(convert, "save_file", failing_save)
+    monkeypatch.setattr(hf_convert, "save_file", failing_save)
     with pytest.raises(KeyboardInterrupt):
-        convert.convert_hf(str(src), dst, ConvertOptions(progress=False))
+        checkpoint.convert_hf(str(src), dst, ConvertOptions(progress=False))
     assert not os.path.exists(dst) and os.path.exists(dst + ".partial")
-    monkeypatch.setattr(convert, "save_file", lambda *a, **k: (calls.append(a[1]), real_save(*a, **k)))
-    convert.convert_hf(str(src), dst, ConvertOptions(progress=False, verify=True))
+    monkeypatch.setattr(hf_convert, "save_file", lambda *a, **k: (calls.append(a[1]), real_save(*a, **k)))
+    checkpoint.convert_hf(str(src), dst, ConvertOptions(progress=False, verify=True))
     assert calls[2:] == [calls[1]]  # only the unfinished shard was written again
-    assert convert.verify_conversion(str(src), dst) == len(hf_moe_state())
+    assert checkpoint.verify_conversion(str(src), dst) == len(hf_moe_state())
 
 
 def test_cli_convert_and_verify(tmp_path, capsys):
@@ -197,13 +198,13 @@ def megatron_named_params(sd, ep_size=1, ep_rank=0, grouped=False):
 @pytest.mark.parametrize("grouped", [False, True])
 def test_live_sync_from_ep_ranks_equals_offline_converter(tmp_path, grouped):
     sd = hf_moe_state()
-    convert.convert_hf(str(write_hf(tmp_path / "hf", sd)), str(tmp_path / "out"), ConvertOptions(progress=False))
+    checkpoint.convert_hf(str(write_hf(tmp_path / "hf", sd)), str(tmp_path / "out"), ConvertOptions(progress=False))
     offline = {k: v for k, v in read_all(tmp_path / "out").items() if ".experts." in k}
     for ep_size in (1, 2):
         live = {}
         for rank in range(ep_size):
             params = megatron_named_params(sd, ep_size, rank, grouped)
-            for bucket in convert.bucketed(convert.megatron_expert_tensors(params, rank, E // ep_size), 4096):
+            for bucket in checkpoint.bucketed(checkpoint.megatron_expert_tensors(params, rank, E // ep_size), 4096):
                 units = {n.rsplit(".", 2)[0] if ("gate_proj." in n or "up_proj." in n) else n for n, _ in bucket}
                 assert sum(t.numel() * t.element_size() for _, t in bucket) <= 4096 or len(units) == 1
                 for n, _ in bucket:  # an expert's gate and up (shared global scale) travel together
@@ -235,7 +236,7 @@ def _etp_worker(rank: int, world: int, port: int, out: str) -> None:
         elif name.endswith("linear_fc2.weight"):
             t = t[:, rank * f : (rank + 1) * f]
         local.append((name, t.contiguous()))
-    gathered = dict(convert.gather_expert_tp(local))
+    gathered = dict(checkpoint.gather_expert_tp(local))
     torch.save({"gathered": gathered, "full": full}, f"{out}/rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
@@ -243,7 +244,7 @@ def _etp_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_expert_tp_shards_gather_to_the_full_experts(tmp_path):
     import torch.multiprocessing as mp
 
-    from quads_megatron.cpu_megatron import free_port
+    from helpers import free_port
 
     mp.spawn(_etp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
@@ -251,10 +252,10 @@ def test_expert_tp_shards_gather_to_the_full_experts(tmp_path):
         assert got["gathered"].keys() == got["full"].keys()
         for name, t in got["full"].items():
             assert torch.equal(got["gathered"][name], t), name
-        live = dict(convert.megatron_expert_tensors(got["gathered"].items(), 0, E))
-        want = dict(convert.megatron_expert_tensors(got["full"].items(), 0, E))
+        live = dict(checkpoint.megatron_expert_tensors(got["gathered"].items(), 0, E))
+        want = dict(checkpoint.megatron_expert_tensors(got["full"].items(), 0, E))
         assert live.keys() == want.keys()
         for k in want:
             assert torch.equal(live[k].view(-1).view(torch.uint8), want[k].view(-1).view(torch.uint8)), k
     t = torch.ones(2)
-    assert list(convert.gather_expert_tp([("decoder.layers.0.x", t)])) == [("decoder.layers.0.x", t)]  # no group
+    assert list(checkpoint.gather_expert_tp([("decoder.layers.0.x", t)])) == [("decoder.layers.0.x", t)]  # no group

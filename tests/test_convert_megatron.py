@@ -7,11 +7,12 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_convert import E, F, H, L, hf_moe_state, read_all, write_hf
 
-from quads_megatron import convert
-from quads_megatron.convert import ConvertError, ConvertOptions
-from quads_megatron.cpu_megatron import free_port
+from helpers import free_port
+from quads_megatron import checkpoint
+from quads_megatron.checkpoint import ConvertError, ConvertOptions
+from quads_megatron.checkpoint import megatron as megatron_convert
+from test_convert import E, F, H, L, hf_moe_state, read_all, write_hf
 
 NQ, NKV, HD = 4, 2, 8  # attention of the full-model case: q [32, 32], k/v [16, 32]
 
@@ -34,7 +35,8 @@ def full_hf_state() -> dict[str, torch.Tensor]:
 
 def megatron_non_expert(sd: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
     """What Megatron-Core's TE GPT layer holds for HF layer `layer` (fused QKV, fused input norm)."""
-    from quads_megatron.hf_mapping import AttentionShape, fuse_qkv
+    from helpers import fuse_qkv
+    from quads_megatron.checkpoint.hf_mapping import AttentionShape
 
     p, a = f"model.layers.{layer}", AttentionShape(NQ, NKV, HD)
     qkv = fuse_qkv(*(sd[f"{p}.self_attn.{x}_proj.weight"] for x in "qkv"), a)
@@ -55,7 +57,7 @@ def _save_worker(rank: int, world: int, port: int, ckpt: str, stacked: bool = Fa
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 
-    from quads_megatron.cpu_megatron import (
+    from quads_megatron.demo.cpu_megatron import (
         build_moe_layer,
         init_distributed,
         install_cpu_shims_for_megatron,
@@ -112,7 +114,7 @@ def _save_worker(rank: int, world: int, port: int, ckpt: str, stacked: bool = Fa
 def interrupt_second_shard_write(ckpt: str, dst: str, base: str, monkeypatch) -> list[str]:
     """Run a conversion that is killed while writing its second shard; afterwards record every
     shard written (the caller's next conversion resumes)."""
-    real_save, calls = convert.save_file, []
+    real_save, calls = megatron_convert.save_file, []
 
     def failing_save(tensors, path, metadata=None):
         calls.append(os.path.basename(path))
@@ -120,12 +122,12 @@ def interrupt_second_shard_write(ckpt: str, dst: str, base: str, monkeypatch) ->
             raise KeyboardInterrupt
         real_save(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(convert, "save_file", failing_save)
+    monkeypatch.setattr(megatron_convert, "save_file", failing_save)
     with pytest.raises(KeyboardInterrupt):
-        convert.convert_megatron_dist(ckpt, dst, base, ConvertOptions(progress=False), non_expert="hf")
+        checkpoint.convert_megatron_dist(ckpt, dst, base, ConvertOptions(progress=False), non_expert="hf")
     assert not os.path.exists(dst)
     monkeypatch.setattr(
-        convert, "save_file", lambda *a, **k: (calls.append(os.path.basename(a[1])), real_save(*a, **k))
+        megatron_convert, "save_file", lambda *a, **k: (calls.append(os.path.basename(a[1])), real_save(*a, **k))
     )
     return calls
 
@@ -141,7 +143,7 @@ def test_ep1_and_ep2_dist_checkpoints_convert_to_identical_bytes(tmp_path, monke
         mp.spawn(_save_worker, args=(world, free_port(), ckpt, world == 2), nprocs=world, join=True)
         dst = str(tmp_path / f"nvfp4_ep{world}")
         calls = interrupt_second_shard_write(ckpt, dst, str(base), monkeypatch) if world == 2 else None
-        summary = convert.convert_megatron_dist(
+        summary = checkpoint.convert_megatron_dist(
             ckpt, dst, str(base), ConvertOptions(progress=False, verify=True), non_expert="hf"
         )
         if calls is not None:  # resumed: the unfinished shard was redone, the finished one was not
@@ -149,7 +151,7 @@ def test_ep1_and_ep2_dist_checkpoints_convert_to_identical_bytes(tmp_path, monke
         assert summary["quantized_modules"] == L * E * 3
         outs[world] = read_all(dst)
     # HF path on the same weights (megatron stored fp32 params; bf16 values are exact in fp32)
-    convert.convert_hf(str(base), str(tmp_path / "nvfp4_hf"), ConvertOptions(progress=False))
+    checkpoint.convert_hf(str(base), str(tmp_path / "nvfp4_hf"), ConvertOptions(progress=False))
     hf = read_all(tmp_path / "nvfp4_hf")
     assert outs[1].keys() == outs[2].keys() == hf.keys()
     as_bytes = lambda t: t.reshape(-1).view(torch.uint8) if t.dtype != torch.bfloat16 else t.view(torch.int16)
@@ -174,10 +176,10 @@ def test_non_expert_weights_are_mapped_from_the_megatron_checkpoint(tmp_path):
     os.makedirs(ckpt)
     mp.spawn(_save_worker, args=(1, free_port(), str(ckpt), True, True), nprocs=1, join=True)
     opts = ConvertOptions(progress=False, verify=True)
-    summary = convert.convert_megatron_dist(str(ckpt), str(tmp_path / "out"), str(base), opts)
+    summary = checkpoint.convert_megatron_dist(str(ckpt), str(tmp_path / "out"), str(base), opts)
     assert summary["layers"] == L and summary["quantized_modules"] == L * E * 3
     got = read_all(tmp_path / "out")
-    convert.convert_hf(str(base), str(tmp_path / "nvfp4_hf"), ConvertOptions(progress=False))
+    checkpoint.convert_hf(str(base), str(tmp_path / "nvfp4_hf"), ConvertOptions(progress=False))
     hf = read_all(tmp_path / "nvfp4_hf")
     assert got.keys() == hf.keys()
     for k in hf:
@@ -188,12 +190,13 @@ def test_non_expert_weights_are_mapped_from_the_megatron_checkpoint(tmp_path):
     os.makedirs(bare)
     mp.spawn(_save_worker, args=(1, free_port(), str(bare), True, False), nprocs=1, join=True)
     with pytest.raises(ConvertError, match="non-expert-from hf"):
-        convert.convert_megatron_dist(str(bare), str(tmp_path / "out2"), str(base), ConvertOptions(progress=False))
+        checkpoint.convert_megatron_dist(str(bare), str(tmp_path / "out2"), str(base), ConvertOptions(progress=False))
     assert not os.path.exists(tmp_path / "out2")
 
 
 def test_megatron_names_map_to_hf_and_unknown_ones_are_refused():
-    from quads_megatron.hf_mapping import AttentionShape, MappingError, fuse_qkv, megatron_to_hf, split_qkv
+    from helpers import fuse_qkv
+    from quads_megatron.checkpoint.hf_mapping import AttentionShape, MappingError, megatron_to_hf, split_qkv
 
     a = AttentionShape(8, 2, 4)
     q, k, v = torch.randn(32, 16), torch.randn(8, 16), torch.randn(8, 16)
@@ -219,4 +222,4 @@ def test_megatron_names_map_to_hf_and_unknown_ones_are_refused():
 def test_unknown_layout_and_mismatch_are_refused(tmp_path):
     base = write_hf(tmp_path / "hf", hf_moe_state())
     with pytest.raises(ConvertError, match="not a readable torch_dist"):
-        convert.convert_megatron_dist(str(base), str(tmp_path / "out"), str(base), ConvertOptions(progress=False))
+        checkpoint.convert_megatron_dist(str(base), str(tmp_path / "out"), str(base), ConvertOptions(progress=False))

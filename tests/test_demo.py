@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import quads_megatron
-from quads_megatron import config, demo
-from quads_megatron.cpu_megatron import init_distributed, install_cpu_shims_for_megatron
+from quads_megatron import config
+from quads_megatron.demo import rl as demo
+from quads_megatron.demo.cpu_megatron import init_distributed, install_cpu_shims_for_megatron
 
 
 @pytest.fixture(scope="module")

@@ -10,21 +10,20 @@ import os
 import torch
 import torch.multiprocessing as mp
 
-from quads_megatron.cpu_megatron import free_port
+from helpers import free_port
 
 E, H, F = 4, 32, 48
 
 
 def _worker(rank: int, world: int, port: int, workdir: str) -> None:
     import quads_megatron
-    from quads_megatron import convert
-    from quads_megatron.cpu_megatron import (
+    from helpers import load_expert_state, random_expert_state
+    from quads_megatron import checkpoint
+    from quads_megatron.demo.cpu_megatron import (
         build_moe_layer,
         init_distributed,
         install_cpu_shims_for_megatron,
-        load_expert_state,
         moe_config,
-        random_expert_state,
     )
 
     install_cpu_shims_for_megatron()
@@ -51,7 +50,7 @@ def _worker(rank: int, world: int, port: int, workdir: str) -> None:
             for i, ex in enumerate(layer.experts.local_experts)
         },
         "codes": dict(
-            convert.megatron_expert_tensors(
+            checkpoint.megatron_expert_tensors(
                 [(f"decoder.layers.0.mlp.{n}", p.detach()) for n, p in layer.named_parameters()], rank, local
             )
         ),

@@ -24,7 +24,7 @@ H, INTER, E, TOPK = 2048, 768, 16, 8
 
 @pytest.fixture(scope="module")
 def megatron_world():
-    from quads_megatron.cpu_megatron import init_distributed
+    from quads_megatron.demo.cpu_megatron import init_distributed
 
     init_distributed(backend="nccl")
     yield
@@ -33,7 +33,7 @@ def megatron_world():
 def test_megatron_patches_on_cuda_tensors(megatron_world):
     import quads_megatron
     from quads_megatron import fake_quant, nvfp4
-    from quads_megatron.cpu_megatron import build_moe_layer, moe_config
+    from quads_megatron.demo.cpu_megatron import build_moe_layer, moe_config
 
     quads_megatron.remove()
     ref = build_moe_layer(moe_config(), seed=0).cuda()
@@ -64,10 +64,9 @@ def test_megatron_patches_on_cuda_tensors(megatron_world):
 
 
 def moe_case(t, seed=0):
-    from quads_megatron.kernels import w4a4_grouped as kg
-
     from quads_megatron import nvfp4
-    from quads_megatron.moe_w4a4 import ExpertWeights
+    from quads_megatron.kernels import w4a4_grouped as kg
+    from quads_megatron.rollout.moe_block import ExpertWeights
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     w13, w2 = [], []
@@ -87,15 +86,16 @@ def moe_case(t, seed=0):
 @pytest.mark.parametrize("impl", ["triton", "wgmma"])
 @pytest.mark.parametrize("rac", ["plain", "static", "dynamic"])
 def test_moe_block_triton_matches_reference_on_gpu(rac, impl):
-    from quads_megatron import w4a4
-    from quads_megatron.moe_w4a4 import ExpertWeights, GemmRAC, LayerRAC, moe_w4a4
+    from quads_megatron.rollout import rac_plan
+    from quads_megatron.rollout.moe_block import ExpertWeights, GemmRAC, LayerRAC, moe_w4a4
 
     x, ids, tw, w = moe_case(48)
     ids[0, 0] = -1  # another EP rank's expert
     racs = {
         "plain": LayerRAC(),
         "static": LayerRAC(
-            GemmRAC(w4a4.RACPlan(torch.arange(0, 128, 2), H)), GemmRAC(w4a4.RACPlan(torch.arange(0, 48, 2), INTER))
+            GemmRAC(rac_plan.RACPlan(torch.arange(0, 128, 2), H)),
+            GemmRAC(rac_plan.RACPlan(torch.arange(0, 48, 2), INTER)),
         ),
         "dynamic": LayerRAC(GemmRAC(dynamic_channels=H // 2), GemmRAC(dynamic_channels=INTER // 2)),
     }
@@ -110,7 +110,7 @@ def test_moe_block_triton_matches_reference_on_gpu(rac, impl):
 
 
 def test_moe_block_captures_in_a_cuda_graph():
-    from quads_megatron.moe_w4a4 import GemmRAC, LayerRAC, moe_w4a4
+    from quads_megatron.rollout.moe_block import GemmRAC, LayerRAC, moe_w4a4
 
     x, ids, tw, w = moe_case(16, seed=1)
     r = LayerRAC(GemmRAC(dynamic_channels=H // 2), GemmRAC(dynamic_channels=INTER // 2))
@@ -141,8 +141,7 @@ def test_programmatic_dependent_launch_changes_no_bit(monkeypatch, impl, tokens)
     from a CUDA graph (programmatic edges), at sizes running both GEMMs' kernels (300 tokens: 2400 rows,
     the warp-specialized Gluon kernel)."""
     from quads_megatron.kernels import pdl
-
-    from quads_megatron.moe_w4a4 import GemmRAC, LayerRAC, moe_w4a4
+    from quads_megatron.rollout.moe_block import GemmRAC, LayerRAC, moe_w4a4
 
     x, ids, tw, w = moe_case(tokens, seed=3)
     r = LayerRAC(GemmRAC(dynamic_channels=H // 2), GemmRAC(dynamic_channels=INTER // 2))
@@ -172,8 +171,7 @@ def test_fused_block_pieces_on_gpu():
     own, so a few h values may round differently than torch's silu), the combine kernel."""
     from quads_megatron.kernels import moe_combine
     from quads_megatron.kernels import w4a4_grouped as kg
-
-    from quads_megatron.moe_w4a4 import combine, gated_activation, route
+    from quads_megatron.rollout.moe_block import combine, gated_activation, route
 
     x, ids, tw, w = moe_case(200)
     ids[3, 1] = -1
@@ -202,11 +200,10 @@ def _w13(w):
 def test_wgmma_gemm_matches_the_triton_gemm(layer):
     """Same exact products, fp32 sums in another order: equal to ~1e-7 relative, on every tile
     (row tails, an expert without rows, token-indexed and plain rows)."""
+    from quads_megatron import nvfp4
     from quads_megatron.kernels import w4a4_grouped as kg
     from quads_megatron.kernels import w4a4_wgmma as wg
-
-    from quads_megatron import nvfp4
-    from quads_megatron.moe_w4a4 import route
+    from quads_megatron.rollout.moe_block import route
 
     n, k = (2 * INTER, H) if layer == "fc1" else (H, INTER)
     g = torch.Generator(device="cuda").manual_seed(7)

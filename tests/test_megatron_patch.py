@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from quads_megatron.patches import megatron_core
 
 import quads_megatron
 from quads_megatron import fake_quant, nvfp4
-from quads_megatron.cpu_megatron import build_moe_layer, moe_config
+from quads_megatron.demo.cpu_megatron import build_moe_layer, moe_config
+from quads_megatron.integrations.megatron import qat as megatron_core
 
 pytestmark = pytest.mark.usefixtures("megatron_world", "clean_quads_patches")
 

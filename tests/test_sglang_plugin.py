@@ -21,12 +21,14 @@ if os.environ.get("QUADS_REQUIRE_SGLANG") == "1":
     import sglang  # noqa: F401  (CI: a missing sglang is a failure, not a skip)
 sglang = pytest.importorskip("sglang")
 
-from quads_megatron.patches import sglang as plug  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from quads_megatron import convert, nvfp4  # noqa: E402
+from quads_megatron import checkpoint, nvfp4  # noqa: E402
+from quads_megatron.checkpoint import modelopt  # noqa: E402
 from quads_megatron.config import RolloutConfig  # noqa: E402
-from quads_megatron.moe_w4a4 import ExpertWeights, moe_w4a4  # noqa: E402
+from quads_megatron.integrations import sglang as plug  # noqa: E402
+from quads_megatron.integrations.sglang import method as plug_method  # noqa: E402
+from quads_megatron.rollout.moe_block import ExpertWeights, moe_w4a4  # noqa: E402
 
 H, INTER, E, LAYERS, TOPK = 64, 32, 4, 2, 2
 QWEN3_MOE = {
@@ -67,7 +69,7 @@ def checkpoints(tmp_path_factory):
             if ".experts." in name:
                 p.mul_(torch.linspace(1, 4, p.shape[0]).view(-1, *[1] * (p.dim() - 1)).to(p.dtype))
     model.save_pretrained(root / "bf16", safe_serialization=True)
-    convert.convert_hf(str(root / "bf16"), str(root / "nvfp4"), convert.ConvertOptions(progress=False))
+    checkpoint.convert_hf(str(root / "bf16"), str(root / "nvfp4"), checkpoint.ConvertOptions(progress=False))
     return root
 
 
@@ -113,7 +115,7 @@ def build_model(path, quantization="quads_nvfp4"):
     sa = ServerArgs(model_path=str(path), device="cpu", quantization=quantization)
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0))
     if not _DIST:
-        from quads_megatron.cpu_megatron import free_port
+        from helpers import free_port
 
         init_distributed_environment(
             backend="gloo",
@@ -190,12 +192,12 @@ def test_version_guard(monkeypatch):
     for bad in ("0.5.9", "0.6.0", "1.0.0rc1"):
         with pytest.raises(plug.QuadsSglangError, match="QUADS_ALLOW_UNTESTED_SGLANG"):
             plug.check_version(bad)
-    monkeypatch.setenv(plug.ALLOW_UNTESTED_ENV, "1")
+    monkeypatch.setenv(plug_method.ALLOW_UNTESTED_ENV, "1")
     assert plug.check_version("0.6.0") == "0.6.0"
 
 
 def test_config_parsing_and_errors(tmp_path, monkeypatch):
-    monkeypatch.delenv(plug.CONFIG_ENV, raising=False)
+    monkeypatch.delenv(plug_method.CONFIG_ENV, raising=False)
     nested = {"quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head", "*.self_attn*"]}}
     c = plug.QuadsNvfp4Config.from_config(nested)
     assert c.exclude_modules == ["lm_head", "*.self_attn*"]
@@ -219,14 +221,14 @@ def test_config_parsing_and_errors(tmp_path, monkeypatch):
     # QUADS_CONFIG (the same YAML the trainer reads) overrides the checkpoint's rollout block
     yml = tmp_path / "q.yaml"
     yml.write_text("rollout:\n  rac: {ratio: 0.125, selection: dynamic}\n")
-    monkeypatch.setenv(plug.CONFIG_ENV, str(yml))
+    monkeypatch.setenv(plug_method.CONFIG_ENV, str(yml))
     c = plug.QuadsNvfp4Config.from_config(flat)
     assert c.rollout == RolloutConfig(rac=c.rollout.rac) and c.rollout.rac.ratio == 0.125
     assert c.layer_rac("x", H, INTER).fc1.dynamic_channels == 16
     yml.write_text("rollout:\n  rac: {ratio: 2}\n")
     with pytest.raises(plug.QuadsSglangError, match="rollout.rac.ratio"):
         plug.QuadsNvfp4Config.from_config(flat)
-    monkeypatch.delenv(plug.CONFIG_ENV)
+    monkeypatch.delenv(plug_method.CONFIG_ENV)
     with pytest.raises(plug.QuadsSglangError, match="quant_algo='FP8'"):
         plug.QuadsNvfp4Config.from_config({"quantization": {"quant_algo": "FP8"}})
     with pytest.raises(plug.QuadsSglangError, match="group_size must be 16"):
@@ -355,9 +357,9 @@ def test_trainer_packed_weights_sync_in_place(checkpoints, loaded):
                     new[f"{p}.down_proj.weight"],
                 )
             )
-    packed = dict(convert.megatron_expert_tensors(megatron, num_local_experts=E))
+    packed = dict(checkpoint.megatron_expert_tensors(megatron, num_local_experts=E))
     before = snapshot(loaded)
-    for bucket in convert.bucketed(packed.items(), bucket_bytes=1200):  # smaller than one gate+up pair
+    for bucket in checkpoint.bucketed(packed.items(), bucket_bytes=1200):  # smaller than one gate+up pair
         plug.load_weights(loaded, bucket)
     after = snapshot(loaded)
     assert all(after[n][0] == before[n][0] for n in before)  # same storage: CUDA graphs stay valid
@@ -386,10 +388,13 @@ def test_bad_updates_are_refused_and_nothing_is_written(checkpoints, loaded):
     new = perturbed_bf16(checkpoints, 4)
     p = "model.layers.1.mlp.experts.0"
     good = dict(
-        convert.modelopt_tensors(f"{p}.down_proj", convert.quantize_linear(new[f"{p}.down_proj.weight"], "d"), None)
+        modelopt.modelopt_tensors(
+            f"{p}.down_proj", modelopt.quantize_linear(new[f"{p}.down_proj.weight"], "d"), None
+        )
     )
-    gate = convert.modelopt_tensors(f"{p}.gate_proj", convert.quantize_linear(new[f"{p}.gate_proj.weight"], "g"), None)
-    up = convert.modelopt_tensors(f"{p}.up_proj", convert.quantize_linear(new[f"{p}.up_proj.weight"], "u"), None)
+    gate_q = modelopt.quantize_linear(new[f"{p}.gate_proj.weight"], "g")
+    gate = modelopt.modelopt_tensors(f"{p}.gate_proj", gate_q, None)
+    up = modelopt.modelopt_tensors(f"{p}.up_proj", modelopt.quantize_linear(new[f"{p}.up_proj.weight"], "u"), None)
     nan = new["model.layers.1.self_attn.o_proj.weight"].clone()
     nan[0, 0] = float("nan")
     cases = {
@@ -431,18 +436,18 @@ def test_quantized_dense_layers_and_static_rac_without_plans_are_refused(checkpo
 
 def test_calibrated_rac_plans_travel_from_converter_to_the_server(checkpoints, sglang_runtime, tmp_path):
     """RACCalibrator -> save_rac_plans -> quads convert --rac-plans --quads-config -> quads_nvfp4 layers."""
-    from quads_megatron import w4a4
     from quads_megatron.cli import main as cli_main
     from quads_megatron.config import RACConfig
+    from quads_megatron.rollout import calibration
 
-    cal = w4a4.RACCalibrator()
+    cal = calibration.RACCalibrator()
     g = torch.Generator().manual_seed(5)
     for layer in range(LAYERS):
         for gemm, k in (("w13", H), ("w2", INTER)):
             x = torch.randn(64, k, generator=g) * torch.exp(torch.randn(k, generator=g))
             cal.observe(f"model.layers.{layer}.mlp.experts.{gemm}", x)
     plans = cal.plans(RACConfig(ratio=0.25).num_channels)
-    w4a4.save_rac_plans(str(tmp_path / "plans.safetensors"), plans)
+    calibration.save_rac_plans(str(tmp_path / "plans.safetensors"), plans)
     (tmp_path / "q.yaml").write_text("rollout:\n  rac: {ratio: 0.25, selection: static}\n")
     out = tmp_path / "with_plans"
     rc = cli_main(

@@ -4,9 +4,9 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from quads_megatron.kernels import nvfp4_quant
 
 from quads_megatron import nvfp4
+from quads_megatron.kernels import nvfp4_quant
 
 
 @pytest.mark.parametrize(

@@ -2,11 +2,13 @@
 
 import pytest
 import torch
-from quads_megatron.kernels import w4a4_grouped as kg
 
-from quads_megatron import nvfp4, w4a4
+from quads_megatron import nvfp4
 from quads_megatron.config import RACConfig
+from quads_megatron.errors import RACPlanError
+from quads_megatron.kernels import w4a4_grouped as kg
 from quads_megatron.nvfp4 import NVFP4InputError
+from quads_megatron.rollout import calibration, rac_plan, reference
 
 
 def outlier_activations(m, k, dtype=torch.bfloat16):
@@ -16,18 +18,18 @@ def outlier_activations(m, k, dtype=torch.bfloat16):
 
 def test_plain_w4a4_is_per_token_contract_quantization():
     x = outlier_activations(8, 64)
-    qa = w4a4.quantize_activation(x)
+    qa = reference.quantize_activation(x)
     assert qa.residual is None
     assert qa.x.same_bits(nvfp4.quantize(x, "row"))
-    static = w4a4.quantize_activation(x, static_amax=torch.tensor(50.0))
+    static = reference.quantize_activation(x, static_amax=torch.tensor(50.0))
     assert static.x.same_bits(nvfp4.quantize(x, "row", torch.full((8, 1), 50.0)))
     assert torch.all(static.x.global_decode == nvfp4.input_scale_from_amax(torch.tensor(50.0)))
 
 
 def test_residual_is_quantized_on_selected_blocks_with_the_token_scale():
     x = outlier_activations(6, 96)
-    plan = w4a4.RACPlan(torch.tensor([1, 4]), 96)
-    qa = w4a4.quantize_activation(x, plan)
+    plan = rac_plan.RACPlan(torch.tensor([1, 4]), 96)
+    qa = reference.quantize_activation(x, plan)
     assert torch.equal(qa.residual.global_decode, qa.x.global_decode)  # one alpha per row
     r = x.float() - nvfp4.dequantize(qa.x)
     r_sel = torch.zeros_like(r)
@@ -42,9 +44,9 @@ def test_residual_is_quantized_on_selected_blocks_with_the_token_scale():
 def test_augmented_gemm_reuses_weight_codes_and_matches_explicit_concat():
     x = outlier_activations(5, 64)
     w = nvfp4.quantize(torch.randn(24, 64) * 0.05)
-    plan = w4a4.RACPlan(torch.tensor([0, 3]), 64)
-    qa = w4a4.quantize_activation(x, plan)
-    y = w4a4.w4a4_linear_reference(qa, w)
+    plan = rac_plan.RACPlan(torch.tensor([0, 3]), 64)
+    qa = reference.quantize_activation(x, plan)
+    y = reference.w4a4_linear_reference(qa, w)
     # explicit augmented-K operands built from the same codes and scales
     cols = torch.cat([torch.arange(0, 16), torch.arange(48, 64)])
     a_aug = torch.cat([nvfp4.dequantize(qa.x), nvfp4.dequantize(qa.residual)[:, cols]], 1).double()
@@ -58,10 +60,10 @@ def test_rac_reduces_error_against_trainer_output(ratio):
     w = nvfp4.quantize(torch.randn(64, 256) * 0.05)
     trainer = x @ nvfp4.dequantize(w).t()  # what the QAT trainer computes: BF16 activations
     n = RACConfig(ratio=ratio).num_channels(256)
-    plan = w4a4.RACPlan.from_scores(w4a4.residual_block_scores(x).sum(0), n)
+    plan = rac_plan.RACPlan.from_scores(reference.residual_block_scores(x).sum(0), n)
     err = lambda y: ((y - trainer).norm() / trainer.norm()).item()
-    plain = err(w4a4.w4a4_linear_reference(w4a4.quantize_activation(x), w))
-    rac = err(w4a4.w4a4_linear_reference(w4a4.quantize_activation(x, plan), w))
+    plain = err(reference.w4a4_linear_reference(reference.quantize_activation(x), w))
+    rac = err(reference.w4a4_linear_reference(reference.quantize_activation(x, plan), w))
     assert rac < plain
     if ratio == 1.0:
         assert rac < plain / 4  # full compensation: two-term NVFP4 activation
@@ -69,7 +71,7 @@ def test_rac_reduces_error_against_trainer_output(ratio):
 
 def test_dynamic_per_token_selection():
     x = outlier_activations(8, 64)
-    qa = w4a4.quantize_activation(x, dynamic_channels=16)
+    qa = reference.quantize_activation(x, dynamic_channels=16)
     xq = nvfp4.quantize(x, "row")
     r_amax = (x.float() - nvfp4.dequantize(xq)).reshape(8, 4, 16).abs().amax(-1)
     nonzero_blocks = (qa.residual.block_scales.float() != 0).sum(1)
@@ -78,29 +80,29 @@ def test_dynamic_per_token_selection():
     assert torch.equal(picked[nonzero_blocks == 1], r_amax.argmax(1)[nonzero_blocks == 1])
     # ties with the n-th largest are all compensated (one rule the kernel can follow exactly)
     r = torch.tensor([[[1.0] * 16, [3.0] * 16, [3.0] * 16, [0.5] * 16]])
-    assert w4a4.dynamic_block_mask(r, 16).tolist() == [[False, True, True, False]]
-    assert w4a4.dynamic_block_mask(r, 32).tolist() == [[False, True, True, False]]
-    assert w4a4.dynamic_block_mask(r, 48).tolist() == [[True, True, True, False]]
-    assert not w4a4.dynamic_block_mask(r, 0).any()
-    with pytest.raises(NVFP4InputError, match="multiple of 16"):
-        w4a4.quantize_activation(x, dynamic_channels=8)
-    with pytest.raises(NVFP4InputError, match="not both"):
-        w4a4.quantize_activation(x, w4a4.RACPlan(torch.tensor([0]), 64), dynamic_channels=16)
+    assert reference.dynamic_block_mask(r, 16).tolist() == [[False, True, True, False]]
+    assert reference.dynamic_block_mask(r, 32).tolist() == [[False, True, True, False]]
+    assert reference.dynamic_block_mask(r, 48).tolist() == [[True, True, True, False]]
+    assert not reference.dynamic_block_mask(r, 0).any()
+    with pytest.raises(RACPlanError, match="multiple of 16"):
+        reference.quantize_activation(x, dynamic_channels=8)
+    with pytest.raises(RACPlanError, match="not both"):
+        reference.quantize_activation(x, rac_plan.RACPlan(torch.tensor([0]), 64), dynamic_channels=16)
 
 
 def test_bad_inputs():
-    with pytest.raises(NVFP4InputError, match="K=64"):
-        w4a4.quantize_activation(torch.randn(2, 64), w4a4.RACPlan(torch.tensor([0]), 32))
-    with pytest.raises(NVFP4InputError, match="in \\[0, 2\\)"):
-        w4a4.RACPlan(torch.tensor([5]), 32)
+    with pytest.raises(RACPlanError, match="K=64"):
+        reference.quantize_activation(torch.randn(2, 64), rac_plan.RACPlan(torch.tensor([0]), 32))
+    with pytest.raises(RACPlanError, match="in \\[0, 2\\)"):
+        rac_plan.RACPlan(torch.tensor([5]), 32)
     x = torch.randn(2, 32)
     x[0, 0] = float("inf")
     with pytest.raises(NVFP4InputError, match="Inf"):
-        w4a4.quantize_activation(x)
+        reference.quantize_activation(x)
 
 
 def test_calibrator_plans():
-    cal = w4a4.RACCalibrator("residual")
+    cal = calibration.RACCalibrator("residual")
     x = outlier_activations(32, 128, torch.float32)
     x[:, 32:48] *= 50  # a hot block
     cal.observe("layers.0.mlp.experts.fc1", x[:16])
@@ -109,7 +111,7 @@ def test_calibrator_plans():
     plan = plans["layers.0.mlp.experts.fc1"]
     assert plan.num_channels == 16 and plan.blocks.tolist() == [2]
     assert cal.tokens["layers.0.mlp.experts.fc1"] == 32
-    amax_cal = w4a4.RACCalibrator("amax")
+    amax_cal = calibration.RACCalibrator("amax")
     amax_cal.observe("l", x)
     assert amax_cal.plans(lambda k: 16)["l"].blocks.tolist() == [2]
 
@@ -123,9 +125,9 @@ def test_calibrator_plans():
 def test_triton_activation_quant_bit_identical(blocks, static, block_k):
     x = outlier_activations(20, 96)  # K=96: not a power of two, the single pass masks 128 -> 96
     x[3] = 0
-    plan = None if blocks is None else w4a4.RACPlan(torch.tensor(blocks), 96)
+    plan = None if blocks is None else rac_plan.RACPlan(torch.tensor(blocks), 96)
     amax = torch.tensor(7.5) if static else None
-    a = w4a4.quantize_activation(x, plan, amax)
+    a = reference.quantize_activation(x, plan, amax)
     b = kg.quantize_activation(x, plan, amax, block_k=block_k, block_m=None if block_k else 8)
     assert a.x.same_bits(b.x)
     assert (a.residual is None) == (b.residual is None)
@@ -142,13 +144,14 @@ def test_triton_dynamic_rac_bit_identical(channels, static, k, rows):
     x[3] = 0
     x[2, :16] = x[2, 16:32]  # equal residual amaxes: ties resolved by the same rule
     amax = torch.tensor(9.0) if static else None
-    a = w4a4.quantize_activation(x, None, amax, dynamic_channels=channels)
+    a = reference.quantize_activation(x, None, amax, dynamic_channels=channels)
     b = kg.quantize_activation(x, None, amax, block_m=4, dynamic_channels=channels)
     assert a.x.same_bits(b.x) and a.residual.same_bits(b.residual)
     op = kg.activation_operand(x, None, amax, dynamic_channels=channels)
-    want = ((w4a4._exact_values(a.x) / 128).half().float() + (w4a4._exact_values(a.residual) / 128).half()).half()
+    exact = reference._exact_values
+    want = ((exact(a.x) / 128).half().float() + (exact(a.residual) / 128).half()).half()
     assert torch.equal(op.values[:, 0], want[:, 0::2]) and torch.equal(op.values[:, 1], want[:, 1::2])
-    with pytest.raises(NVFP4InputError, match="must cover K"):
+    with pytest.raises(ValueError, match="must cover K"):
         kg.quantize_activation(x, block_k=32, dynamic_channels=16)
 
 
@@ -158,9 +161,9 @@ def folded_reference(x, offs, ws, plan):
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
-            qa = w4a4.quantize_activation(x[start:end], plan)
-            a16 = (w4a4._exact_values(qa.x) / 128).half() + (w4a4._exact_values(qa.residual) / 128).half()
-            y = (a16.double() * 128) @ w4a4._exact_values(ws[e]).double().t()
+            qa = reference.quantize_activation(x[start:end], plan)
+            a16 = (reference._exact_values(qa.x) / 128).half() + (reference._exact_values(qa.residual) / 128).half()
+            y = (a16.double() * 128) @ reference._exact_values(ws[e]).double().t()
             out[start:end] = y * qa.x.global_decode.double() * ws[e].global_decode.double()
         start = end
     return out.float()
@@ -174,8 +177,8 @@ def test_triton_grouped_gemm_matches_reference(rac_blocks, experts):
     # uneven groups, empty experts included, rows reaching the last expert
     offs = torch.tensor(sorted(torch.randint(0, 38, (e - 1,)).tolist()) + [37])
     ws = [nvfp4.quantize(torch.randn(n, k) * 0.05 * (i + 1)) for i in range(e)]
-    plan = None if rac_blocks is None else w4a4.RACPlan(torch.tensor(rac_blocks), k)
-    ref = w4a4.grouped_w4a4_reference(x, offs, ws, None if plan is None else [plan] * e)
+    plan = None if rac_blocks is None else rac_plan.RACPlan(torch.tensor(rac_blocks), k)
+    ref = reference.grouped_w4a4_reference(x, offs, ws, None if plan is None else [plan] * e)
     qa = kg.quantize_activation(x, plan)
     wc, wsc, wsd = kg.stack_expert_weights(ws)
     mask = None if plan is None else plan.block_mask()
@@ -202,10 +205,10 @@ def test_triton_grouped_gemm_checks_shapes():
     ws = [nvfp4.quantize(torch.randn(16, 64)) for _ in range(2)]
     wc, wsc, wsd = kg.stack_expert_weights(ws)
     qa = kg.quantize_activation(torch.randn(4, 128))
-    with pytest.raises(NVFP4InputError, match="does not match weight K"):
+    with pytest.raises(ValueError, match="does not match weight K"):
         kg.grouped_w4a4(qa, torch.tensor([2, 4]), wc, wsc, wsd)
     qa = kg.quantize_activation(torch.randn(4, 64))
-    with pytest.raises(NVFP4InputError, match="offs has 3 entries"):
+    with pytest.raises(ValueError, match="offs has 3 entries"):
         kg.grouped_w4a4(qa, torch.tensor([1, 2, 4]), wc, wsc, wsd)
 
 
@@ -222,11 +225,11 @@ def test_gemm_tile_decode_is_exact_for_every_code_and_scale():
 @pytest.mark.parametrize("block_k", [None, 32])
 def test_activation_operand_is_the_decoded_codes(blocks, block_k):
     x = outlier_activations(9, 96)
-    plan = None if blocks is None else w4a4.RACPlan(torch.tensor(blocks), 96)
-    qa = w4a4.quantize_activation(x, plan)
+    plan = None if blocks is None else rac_plan.RACPlan(torch.tensor(blocks), 96)
+    qa = reference.quantize_activation(x, plan)
     op = kg.activation_operand(x, plan, block_k=block_k, block_m=None if block_k else 4)
-    want = (w4a4._exact_values(qa.x) / 128).half()
+    want = (reference._exact_values(qa.x) / 128).half()
     if plan is not None:
-        want = (want.float() + (w4a4._exact_values(qa.residual) / 128).half().float()).half()
+        want = (want.float() + (reference._exact_values(qa.residual) / 128).half().float()).half()
     assert torch.equal(op.values[:, 0], want[:, 0::2]) and torch.equal(op.values[:, 1], want[:, 1::2])
     assert torch.equal(op.global_decode, qa.x.global_decode)

@@ -1,0 +1,64 @@
+"""Device probe: activation-quant kernel (decoded operand; plain, static RAC 50% and dynamic RAC 50%)
+over rows per program and warps, against its HBM floor (input in + fp16 operand out at 3.3 TB/s).
+
+python dev/probe_act_quant_tiles.py [--rows 2048,16384,131072] [--order pairs|wgmma] [--gated]
+--gated: fc2's quantization (input [rows, 2I] = [gate | up], I = 768, SiLU(gate) * up quantized),
+otherwise fc1's ([rows, 2048]). (CUDA GPU; CUDA-graph replay timings)
+"""
+
+import argparse
+import itertools
+
+import torch
+import triton.testing
+
+from quads_megatron.kernels import w4a4_grouped as kg
+from quads_megatron.rollout import moe_block, rac_plan, reference
+
+
+def t(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="2048,16384,131072")
+    ap.add_argument("--order", default="pairs", choices=["pairs", "wgmma"])
+    ap.add_argument("--gated", action="store_true")
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = 768 if args.gated else 2048
+    width = 2 * k if args.gated else k
+    for rows in (int(r) for r in args.rows.split(",")):
+        x = (
+            torch.randn(rows, width, generator=g, device="cuda")
+            * torch.exp(torch.randn(width, generator=g, device="cuda"))
+        ).bfloat16()
+        h = moe_block.gated_activation(x) if args.gated else x
+        plan = rac_plan.RACPlan.from_scores(reference.residual_block_scores(h[:256].float()).sum(0), k // 2)
+        mask = plan.block_mask("cuda").to(torch.int8)
+        modes = {"plain": {}, "static50": dict(plan=plan, block_mask=mask), "dyn50": dict(dynamic_channels=k // 2)}
+        floor = rows * (width * 2 + k * 2) / 3.3e12 * 1e6
+
+        def run(mode, **tile):
+            return t(
+                lambda: kg.activation_operand(x, check=False, order=args.order, gated=args.gated, **modes[mode], **tile)
+            )
+
+        for mode in modes:
+            res = []
+            for bm, nw in itertools.product((1, 2, 4), (1, 2, 4, 8)):
+                try:
+                    res.append((run(mode, block_m=bm, num_warps=nw), bm, nw))
+                except Exception:
+                    pass
+            best = sorted(res)[:3]
+            top = [(f"bm{b} w{w}", round(u, 1)) for u, b, w in best]
+            print(
+                f"rows {rows} {mode}: floor {floor:.1f} us; launcher default {run(mode):.1f} us; best {top}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Device probe: grouped W4A4 GEMM tiles (BM, BN, BK, warps, stages) on the Qwen3-30B-A3B fc1 shape,
+per token count; prints the best tiles, the current gemm_config default, and a GPU check that the PTX
+decode and the integer-op decode give the same output bits on every probed tile.
+
+python dev/probe_gemm_tiles.py [--tokens 16,64,256,1024,4096,16384] [--budget-s 420]
+(CUDA GPU; CUDA-graph replay timings, decoded-operand path, no RAC)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+import torch
+import triton.testing
+
+from quads_megatron import nvfp4
+from quads_megatron.kernels import w4a4_grouped as kg
+
+E, HIDDEN, INTER, TOPK = 128, 2048, 768, 8
+
+
+def tiles(rows: int) -> list[tuple[int, int, int, int, int]]:
+    if rows <= 8192:  # weight-streaming regime: 16-row tiles
+        out = []
+        for bn, bk, w, s in itertools.product((32, 64, 128, 256), (64, 128, 256), (2, 4, 8), (2, 3, 4)):
+            if (w == 2 and bn > 64) or (w == 8 and bn < 128) or bn * bk > 32768:
+                continue
+            out.append((16, bn, bk, w, s))
+        return out
+    out = []
+    for bm, bn, bk, w, s in itertools.product((64, 128, 256), (128, 256), (32, 64, 128), (4, 8), (2, 3, 4)):
+        if (bm == 256 and w == 4) or (bm == 64 and w == 8) or bm * bn > 256 * 128 or bn * bk > 256 * 64:
+            continue
+        out.append((bm, bn, bk, w, s))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="16,64,256,1024,4096,16384")
+    ap.add_argument("--budget-s", type=float, default=420.0)
+    args = ap.parse_args()
+    t0 = time.time()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print("ptx decode exact (all codes x scales):", kg.check_tile_decode("cuda", use_asm=True), flush=True)
+    w = torch.randn(E, 2 * INTER, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+    wc, wsc, wsd = kg.stack_expert_weights([nvfp4.quantize(w[e]) for e in range(E)])
+    del w
+    same_bits = True
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        ids = torch.randn(tokens, E, generator=g, device="cuda").topk(TOPK, dim=-1).indices.flatten()
+        offs = torch.cumsum(torch.bincount(ids, minlength=E), 0).to(torch.int32)
+        rows = int(offs[-1])
+        x = (
+            torch.randn(rows, HIDDEN, generator=g, device="cuda")
+            * torch.exp(torch.randn(HIDDEN, generator=g, device="cuda"))
+        ).bfloat16()
+        op = kg.activation_operand(x)
+        res = []
+        for bm, bn, bk, nw, ns in tiles(rows):
+            if time.time() - t0 > args.budget_s:
+                print("budget spent; stopping the sweep", flush=True)
+                break
+            kw = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+            try:
+                y = kg.grouped_w4a4(op, offs, wc, wsc, wsd, use_asm=True, **kw)
+                same_bits &= torch.equal(y, kg.grouped_w4a4(op, offs, wc, wsc, wsd, use_asm=False, **kw))
+                us = triton.testing.do_bench_cudagraph(
+                    lambda kw=kw: kg.grouped_w4a4(op, offs, wc, wsc, wsd, use_asm=True, **kw),
+                    rep=30,
+                    return_mode="median",
+                )
+                res.append((us * 1e3, bm, bn, bk, nw, ns))
+            except Exception as e:  # out of shared memory / registers: report and go on
+                print(f"tokens {tokens} tile {kw} failed: {repr(e)[:120]}", flush=True)
+        d = kg.gemm_config(rows, HIDDEN)
+        dk = (d["block_m"], d["block_n"], d["block_k"], d["num_warps"], d["num_stages"])
+        default = [r for r in res if r[1:] == dk]
+        best = sorted(res)[:6]
+        print(
+            f"tokens {tokens} rows {rows}: default {dk} "
+            f"{default[0][0] if default else float('nan'):.1f} us; best "
+            + "; ".join(f"{u:.1f} us BM{a} BN{b} BK{c} w{n} s{s}" for u, a, b, c, n, s in best),
+            flush=True,
+        )
+    print("ptx and int-op decode give the same output bits on every tile:", same_bits, flush=True)
+
+
+if __name__ == "__main__":
+    main()

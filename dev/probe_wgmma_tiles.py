@@ -1,0 +1,205 @@
+"""Device probe: tiles of the Gluon Hopper W4A4 GEMM (kernels/w4a4_wgmma.py) on the Qwen3-30B-A3B fc1
+shape, per token count, side by side with the Triton GEMM at its gemm_config default and the bf16 /
+FP8 peers; each tile is checked against the Triton GEMM (same exact products, other fp32 order).
+
+python dev/probe_wgmma_tiles.py [--tokens 16,64,256,1024,4096,16384] [--budget-s 300] [--match REGEX]
+    [--mask-rows] [--narrow]
+(CUDA GPU; CUDA-graph replay medians; token-indexed rows as moe_w4a4 runs fc1; no RAC)
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+
+import torch
+import triton.runtime.errors
+import triton.testing
+
+from quads_megatron import nvfp4
+from quads_megatron.kernels import w4a4_grouped as kg
+from quads_megatron.kernels import w4a4_wgmma as wg
+from quads_megatron.rollout.moe_block import route
+
+E, HIDDEN, INTER, TOPK = 128, 2048, 768, 8
+
+
+def tiles(rows: int) -> list[tuple]:
+    """(block_t, warps, stages, chunks, unroll, maxnreg, loader_warps, ctas_per_sm[, split]) worth trying at this
+    many grouped rows. loader_warps > 0: the warp-specialized kernel (cp.async loader warps + mbarrier
+    ring; its maxnreg is the launch's, split between partitions, and sets CTAs per SM); chunks 2 there:
+    two 128-K chunks (128 code bytes of each weight row) per ring slot, and with unroll 2 the first one's
+    wgmma in flight under the second one's decode (needs ~128+ consumer registers, else ptxas serializes
+    the wgmmas: one CTA per SM); ctas_per_sm > 0: its CTAs persist
+    (SMs * ctas_per_sm of them loop over the tiles). Sweeps of 2026-12-02 (session 5,
+    dev/results/probe_wgmma_tiles.txt): 4-warp consumers, 16 warps, deeper rings and an L2 bulk
+    prefetch of each CTA's code rows were slower everywhere."""
+    if rows <= 1024:
+        return [
+            (16, 8, 3, 1, 1, None, 0, 0),
+            (16, 8, 3, 1, 1, 80, 4, 0),
+            (16, 8, 3, 2, 1, 80, 4, 0),
+            (16, 8, 4, 2, 1, 80, 4, 0),
+            (16, 8, 3, 2, 1, 80, 4, 2),
+        ]
+    if rows <= 4096:
+        return [
+            (16, 8, 3, 1, 1, None, 0, 0),
+            (32, 8, 4, 1, 1, 80, 4, 0),
+            (16, 8, 3, 2, 1, 80, 4, 0),
+            (16, 8, 4, 2, 1, 80, 4, 0),
+            (32, 8, 3, 2, 1, 80, 4, 0),
+            (16, 8, 3, 2, 1, 80, 4, 2),
+            (32, 8, 3, 2, 1, 80, 4, 2),
+            (32, 8, 3, 2, 2, 96, 4, 0),
+            (32, 8, 4, 1, 1, 80, 4, 0, 1),
+            (32, 8, 3, 2, 1, 80, 4, 0, 1),
+            (16, 8, 3, 2, 1, 80, 4, 0, 1),
+            (32, 8, 4, 2, 1, 80, 4, 0, 1),
+            (32, 8, 2, 2, 1, 80, 4, 0, 1),
+            (32, 8, 3, 2, 1, 80, 4, 2, 1),
+            (64, 8, 3, 1, 1, 80, 4, 0, 1),
+            (64, 8, 2, 2, 1, 80, 4, 0, 1),
+        ]
+    if rows <= 16384:
+        return [
+            (64, 8, 3, 1, 1, 80, 4, 0),
+            (32, 8, 3, 2, 1, 80, 4, 0),
+            (64, 8, 2, 2, 1, 80, 4, 0),
+            (32, 8, 3, 2, 1, 80, 4, 2),
+            (64, 8, 2, 2, 1, 80, 4, 2),
+            (64, 8, 3, 1, 1, 80, 4, 0, 1),
+        ]
+    return [
+        (64, 8, 3, 1, 1, 80, 4, 2),
+        (128, 8, 3, 1, 1, 168, 4, 1),
+        (64, 8, 2, 2, 1, 80, 4, 2),
+        (32, 8, 3, 2, 1, 80, 4, 2),
+        (128, 8, 2, 2, 1, 168, 4, 1),
+        (128, 8, 2, 2, 2, 168, 4, 1),
+        (64, 8, 3, 2, 2, 128, 4, 1),
+        (64, 8, 3, 1, 1, 80, 4, 2, 1),
+        (128, 8, 2, 2, 2, 168, 4, 1, 1),
+        (128, 8, 3, 1, 1, 168, 4, 1, 1),
+        (128, 8, 4, 1, 1, 168, 4, 1, 1),
+        (64, 8, 3, 2, 2, 128, 4, 1, 1),
+        (256, 8, 2, 1, 1, 168, 4, 1, 1),
+        (256, 8, 2, 1, 1, 168, 4, 0, 1),
+    ]
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+
+
+def fc1_weights(g: torch.Generator) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Random bf16 fc1 weights [E, 2I, H] and their NVFP4 (codes, scales, S_dec) stacked per expert."""
+    w = torch.randn(E, 2 * INTER, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+    return w, kg.stack_expert_weights([nvfp4.quantize(w[e]) for e in range(E)])
+
+
+def fc1_rows(tokens: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Random top-k routing of tokens: expert offsets, each grouped row's token (int32), grouped rows."""
+    ids = torch.randn(tokens, E, generator=g, device="cuda").topk(TOPK, dim=-1).indices
+    order, offs, _ = route(ids, E)
+    return offs, (order // TOPK).to(torch.int32), int(offs[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="16,64,256,1024,4096,16384")
+    ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--match", default="", help="only the tiles whose name (as printed) this regex finds")
+    ap.add_argument("--mask-rows", action="store_true", help="also each tile with rows past the expert zero-filled")
+    ap.add_argument("--narrow", action="store_true", help="also each warp-specialized tile (BT >= 32) with narrow")
+    args = ap.parse_args()
+    t0 = time.time()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w, (wc, wsc, wsd) = fc1_weights(g)
+    w_amax = w.float().abs().amax(-1)
+    w8 = (w.float() / (w_amax / 448).unsqueeze(-1)).to(torch.float8_e4m3fn)
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        offs, tok, rows = fc1_rows(tokens, g)
+        xt = (
+            torch.randn(tokens, HIDDEN, generator=g, device="cuda")
+            * torch.exp(torch.randn(HIDDEN, generator=g, device="cuda"))
+        ).bfloat16()
+        x = xt[tok]
+        bf16 = bench(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+        xa = x.float().abs().amax(-1)
+        x8, sx8 = (x.float() / (xa / 448).unsqueeze(-1)).to(torch.float8_e4m3fn), (xa / 448).float()
+        fp8 = bench(
+            lambda: torch._scaled_grouped_mm(
+                x8, w8.transpose(-2, -1), sx8, (w_amax / 448).float(), offs=offs, out_dtype=torch.bfloat16
+            )
+        )
+        pairs, perm = kg.activation_operand(xt), kg.activation_operand(xt, order="wgmma")
+        cfg = kg.gemm_config(rows, HIDDEN)
+        want = kg.grouped_w4a4(pairs, offs, wc, wsc, wsd, out_dtype=torch.float32, a_rows=tok, **cfg)
+        want16 = kg.grouped_w4a4(pairs, offs, wc, wsc, wsd, a_rows=tok, **cfg)
+        triton_us = bench(lambda cfg=cfg: kg.grouped_w4a4(pairs, offs, wc, wsc, wsd, a_rows=tok, **cfg))
+        print(
+            f"tokens {tokens} rows {rows}: bf16 {bf16:.1f} us, fp8 {fp8:.1f} us, triton gemm {triton_us:.1f} us "
+            f"({bf16 / triton_us:.2f}x bf16)",
+            flush=True,
+        )
+        res = []
+        runs = [
+            ((*t, False)[:9], m, nr)
+            for t in tiles(rows)
+            for m in ((False, True) if args.mask_rows else (False,))
+            for nr in ((False, True) if args.narrow and t[6] and t[0] >= 32 else (False,))
+        ]
+        for (bt, nw, st, kc, un, regs, lw, cps, split), masked, narrow in runs:
+            name = f"BT{bt} w{nw} s{st} c{kc} u{un} r{regs or '-'} ws{lw} p{cps}" + (" split" if split else "")
+            name += (" masked rows" if masked else "") + (" narrow" if narrow else "")
+            if not re.search(args.match, name):
+                continue
+            if time.time() - t0 > args.budget_s:
+                print("budget spent; stopping", flush=True)
+                break
+            kw = dict(
+                block_t=bt,
+                num_warps=nw,
+                stages=st,
+                chunks=kc,
+                unroll=un,
+                maxnreg=regs,
+                loader_warps=lw,
+                ctas_per_sm=cps,
+                split=bool(split),
+                mask_rows=masked,
+                narrow=narrow,
+            )
+            try:
+                try:
+                    got = wg.grouped_w4a4_wgmma(
+                        perm.values, perm.global_decode, offs, wc, wsc, wsd, torch.float32, tok, **kw
+                    )
+                    err = ((got - want)[:rows].norm() / want[:rows].norm()).item()
+                except triton.runtime.errors.OutOfResources:  # fp32 output's epilogue scratch: check in bf16
+                    got = wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, **kw)
+                    err = ((got.float() - want16.float())[:rows].norm() / want16.float()[:rows].norm()).item()
+                us = bench(
+                    lambda kw=kw: wg.grouped_w4a4_wgmma(
+                        perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, **kw
+                    )
+                )
+            except Exception as e:  # out of shared memory / registers: report and go on
+                print(f"  tile {kw} failed: {repr(e)[:160]}", flush=True)
+                continue
+            res.append((us, name, err))
+            print(
+                f"  {name}: {us:.1f} us  {bf16 / us:.2f}x bf16  "
+                f"{fp8 / us:.2f}x fp8  {triton_us / us:.2f}x triton  rel err vs triton {err:.1e}",
+                flush=True,
+            )
+        if res:
+            best = min(res)
+            d = wg.wgmma_config(rows, 2 * INTER)
+            print(f"  best {best[1]} {best[0]:.1f} us; default {d}; max err {max(r[2] for r in res):.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

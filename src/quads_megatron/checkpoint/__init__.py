@@ -1,0 +1,25 @@
+"""Checkpoints: HF and Megatron-Core dist checkpoints to NVFP4 (ModelOpt layout), and live sync tensors.
+
+hf.convert_hf / megatron.convert_megatron_dist write a checkpoint directory; live_sync turns a running
+trainer's expert parameters into the same tensors for an engine's weight update; modelopt holds the
+names, tensors and configs both share.
+"""
+
+from quads_megatron.checkpoint.hf import convert_hf, verify_conversion
+from quads_megatron.checkpoint.live_sync import bucketed, gather_expert_tp, megatron_expert_tensors
+from quads_megatron.checkpoint.megatron import convert_megatron_dist
+from quads_megatron.checkpoint.modelopt import INDEX, ConvertOptions, quads_extras
+from quads_megatron.errors import ConvertError
+
+__all__ = [
+    "INDEX",
+    "ConvertError",
+    "ConvertOptions",
+    "bucketed",
+    "convert_hf",
+    "convert_megatron_dist",
+    "gather_expert_tp",
+    "megatron_expert_tensors",
+    "quads_extras",
+    "verify_conversion",
+]

@@ -1,0 +1,196 @@
+"""QUADS configuration: one YAML file (or dict) for trainer QAT, rollout RAC and scales.
+
+Example (every key optional; these are the defaults)::
+
+    trainer:
+      enabled: true
+      experts: [routed]          # routed and/or shared
+      linears: [fc1, fc2]
+      layers: all                # 'all' or a list of layer numbers (1-based, as Megatron counts)
+      scale_mode: tensor         # NVFP4 weight global scale: tensor | row
+      cache_qdq: true            # one QDQ per weight version, reused across micro-batches
+    rollout:
+      activation_scale: dynamic  # dynamic (per-token global scale) | static (calibrated input_scale)
+      rac:
+        enabled: true
+        ratio: 0.5               # fraction of K compensated, rounded up to 16 channels (QUADS: 50%)
+        selection: dynamic       # dynamic (per token, no calibration) | static (calibrated per layer)
+        metric: residual         # calibration statistic: residual (mean |x - dq(q(x))|) | amax
+    exclude: []                  # glob patterns of module names never quantized
+
+Errors name the offending key with its dotted path (QuadsConfigError).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from quads_megatron.errors import QuadsConfigError
+from quads_megatron.nvfp4 import SCALE_MODES
+
+
+@dataclass(frozen=True)
+class RACConfig:
+    enabled: bool = True
+    ratio: float = 0.5
+    selection: str = "dynamic"
+    metric: str = "residual"
+
+    def __post_init__(self) -> None:
+        _check_type("rollout.rac.enabled", self.enabled, bool)
+        _check_type("rollout.rac.ratio", self.ratio, (int, float))
+        if not 0.0 <= float(self.ratio) <= 1.0:
+            raise QuadsConfigError(f"rollout.rac.ratio: must be in [0, 1], got {self.ratio!r}")
+        _check_choice("rollout.rac.selection", self.selection, ("static", "dynamic"))
+        _check_choice("rollout.rac.metric", self.metric, ("residual", "amax"))
+
+    def num_channels(self, k: int) -> int:
+        """Compensated channels for a GEMM of inner size k: ceil(ratio*k) rounded up to 16, <= k."""
+        if not self.enabled or self.ratio == 0:
+            return 0
+        n = math.ceil(float(self.ratio) * k - 1e-9)
+        return min(k, -(-n // 16) * 16)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    activation_scale: str = "dynamic"
+    rac: RACConfig = field(default_factory=RACConfig)
+
+    def __post_init__(self) -> None:
+        _check_choice("rollout.activation_scale", self.activation_scale, ("dynamic", "static"))
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    enabled: bool = True
+    experts: tuple[str, ...] = ("routed",)
+    linears: tuple[str, ...] = ("fc1", "fc2")
+    layers: str | tuple[int, ...] = "all"
+    scale_mode: str = "tensor"
+    cache_qdq: bool = True
+
+    def __post_init__(self) -> None:
+        _check_type("trainer.enabled", self.enabled, bool)
+        _check_type("trainer.cache_qdq", self.cache_qdq, bool)
+        _check_subset("trainer.experts", self.experts, ("routed", "shared"))
+        _check_subset("trainer.linears", self.linears, ("fc1", "fc2"))
+        _check_choice("trainer.scale_mode", self.scale_mode, SCALE_MODES)
+        if self.layers != "all":
+            if not isinstance(self.layers, tuple) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in self.layers
+            ):
+                raise QuadsConfigError(
+                    f"trainer.layers: expected 'all' or a list of layer numbers >= 1, got {self.layers!r}"
+                )
+
+    def wants_layer(self, layer_number: int | None) -> bool:
+        return self.layers == "all" or layer_number is None or layer_number in self.layers
+
+
+@dataclass(frozen=True)
+class QuadsConfig:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    exclude: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(p, str) for p in self.exclude):
+            raise QuadsConfigError(f"exclude: expected a list of glob strings, got {self.exclude!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> QuadsConfig:
+        return _build(cls, data or {}, "")
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> QuadsConfig:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise QuadsConfigError(f"{path}: not valid YAML: {e}") from e
+        if data is not None and not isinstance(data, dict):
+            raise QuadsConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+
+def load_config(source: QuadsConfig | dict[str, Any] | str | os.PathLike[str] | None) -> QuadsConfig:
+    """A QuadsConfig from a config, a dict, a YAML path, or None (defaults)."""
+    if source is None:
+        return QuadsConfig()
+    if isinstance(source, QuadsConfig):
+        return source
+    if isinstance(source, dict):
+        return QuadsConfig.from_dict(source)
+    return QuadsConfig.from_yaml(source)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(data, dict):
+        raise QuadsConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise QuadsConfigError(
+            f"{prefix}{unknown[0]}: unknown key (allowed under {where}: {', '.join(sorted(fields))})"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        sub = _NESTED.get((cls.__name__, name))
+        if sub is not None:
+            kwargs[name] = _build(sub, value if value is not None else {}, f"{prefix}{name}.")
+        elif isinstance(value, list):
+            kwargs[name] = tuple(value)
+        else:
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+_NESTED: dict[tuple[str, str], type] = {
+    ("QuadsConfig", "trainer"): TrainerConfig,
+    ("QuadsConfig", "rollout"): RolloutConfig,
+    ("RolloutConfig", "rac"): RACConfig,
+}
+
+
+def _check_type(key: str, value: Any, types: type | tuple[type, ...]) -> None:
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise QuadsConfigError(f"{key}: expected a number, got a boolean {value!r}")
+    if not isinstance(value, types):
+        raise QuadsConfigError(f"{key}: expected {_names(types)}, got {type(value).__name__} {value!r}")
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise QuadsConfigError(f"{key}: must be one of {list(choices)}, got {value!r}")
+
+
+def _check_subset(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, tuple) or not value or any(v not in choices for v in value):
+        raise QuadsConfigError(f"{key}: expected a non-empty list from {list(choices)}, got {value!r}")
+
+
+def _names(types: type | tuple[type, ...]) -> str:
+    ts = types if isinstance(types, tuple) else (types,)
+    return " or ".join(t.__name__ for t in ts)
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj

@@ -1,0 +1,163 @@
+"""Asymmetric QAT math: NVFP4 fake-quant of weights with a straight-through gradient.
+
+fake_quant_weight(w, spec) returns qdq(w) (from the NVFP4 contract) in w's dtype; the backward
+passes the gradient through to w unchanged (STE). The QDQ is computed once per weight version
+and reused across micro-batches; a version ends when the parameter is modified in place, when
+any torch optimizer steps (global post-step hook, installed by apply()), or on
+mark_weights_updated().
+
+Megatron's gradient-accumulation fusion keeps working: the returned tensor carries the
+parameter's ``main_grad`` so the fused wgrad GEMM accumulates into the master buffer; when the
+caller says the layer fuses wgrad (fused_wgrad=True), the backward marks the parameter
+``grad_added_to_main_grad`` so the DDP hook does not add the layer's dummy gradient a second time.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from quads_megatron import nvfp4
+
+
+@dataclass(frozen=True)
+class FakeQuantSpec:
+    """How one weight is fake-quantized.
+
+    scale_mode: 'tensor' or 'row' global scale.
+    experts_dim0: the weight is [E, N, K] holding E experts (one global scale per expert).
+    amax_group: process group over which the global amax is max-reduced (expert tensor
+        parallel shards of one expert), so the codes do not depend on the TP/EP layout.
+    """
+
+    scale_mode: str = "tensor"
+    experts_dim0: bool = False
+    amax_group: Any = None
+
+
+@dataclass
+class FakeQuantStats:
+    qdq_calls: int = 0
+    qdq_seconds: float = 0.0
+    cache_hits: int = 0
+
+
+STATS = FakeQuantStats()
+_GENERATION = [0]
+# id(param) -> (weakref(param), version key, qdq tensor); entries drop when the param dies
+_CACHE: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
+
+
+def mark_weights_updated() -> None:
+    """Invalidate every cached QDQ (call after weights change outside an optimizer step)."""
+    _GENERATION[0] += 1
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+
+
+def reset_stats() -> None:
+    STATS.qdq_calls, STATS.qdq_seconds, STATS.cache_hits = 0, 0.0, 0
+
+
+def _reduce_amax(a: torch.Tensor, group: Any) -> torch.Tensor:
+    if group is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+        a = a.clone()
+        torch.distributed.all_reduce(a, op=torch.distributed.ReduceOp.MAX, group=group)
+    return a
+
+
+def _qdq(x: torch.Tensor, scale_mode: str, global_amax: torch.Tensor) -> torch.Tensor:
+    """Contract QDQ in x.dtype; on CUDA through its Triton twin (bit-identical, checked on the H200)."""
+    if x.is_cuda:
+        from quads_megatron.kernels import nvfp4_quant
+
+        return nvfp4.dequantize(nvfp4_quant.quantize(x, scale_mode, global_amax, check=False), x.dtype)  # type: ignore[arg-type]
+    return nvfp4.qdq(x, scale_mode, global_amax, check=False)  # type: ignore[arg-type]
+
+
+def qdq_weight(w: torch.Tensor, spec: FakeQuantSpec) -> torch.Tensor:
+    """qdq(w) in w.dtype, no autograd; [E, N, K] weights with experts_dim0 get one scale per expert."""
+    x = w.detach()
+    nvfp4.check_quantizable(x, "expert weight")
+    if spec.experts_dim0:
+        if x.dim() != 3:
+            raise ValueError(f"experts_dim0 weight must be [E, N, K], got {tuple(x.shape)}")
+        if spec.scale_mode == "tensor":
+            a = x.abs().amax(dim=(1, 2)).float()
+            a = _reduce_amax(a, spec.amax_group)
+            return torch.stack([_qdq(x[e], "tensor", a[e]) for e in range(x.shape[0])])
+    return _qdq(x, spec.scale_mode, _reduce_amax(nvfp4.amax(x, spec.scale_mode), spec.amax_group))  # type: ignore[arg-type]
+
+
+class _StraightThrough(torch.autograd.Function):
+    """y = w_q (precomputed qdq(w)); dL/dw = dL/dy."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, w_q: torch.Tensor, fused_wgrad: bool) -> torch.Tensor:  # type: ignore[override]
+        ctx.param = w
+        ctx.fused_wgrad = fused_wgrad
+        return w_q.view_as(w_q)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if ctx.fused_wgrad and hasattr(ctx.param, "grad_added_to_main_grad"):
+            # the host's fused wgrad GEMM already accumulated into param.main_grad; `grad` is its dummy
+            ctx.param.grad_added_to_main_grad = True
+        return grad, None, None
+
+
+_MAIN_GRAD_ATTRS = ("main_grad", "grad_added_to_main_grad", "zero_out_wgrad", "overwrite_main_grad")
+
+
+def fake_quant_weight(
+    w: torch.Tensor, spec: FakeQuantSpec, cache: bool = True, fused_wgrad: bool = False
+) -> torch.Tensor:
+    """NVFP4 fake-quant of a weight with a straight-through gradient (see module docstring).
+
+    fused_wgrad: the consuming layer accumulates wgrad straight into ``w.main_grad``
+    (Megatron gradient_accumulation_fusion / TE fuse_wgrad_accumulation).
+    """
+    key = (w._version, w.data_ptr(), _GENERATION[0], spec.scale_mode, spec.experts_dim0)
+    hit = _CACHE.get(id(w)) if cache else None
+    if hit is not None and hit[0]() is w and hit[1] == key:
+        STATS.cache_hits += 1
+        w_q = hit[2]
+    else:
+        t0 = time.perf_counter()
+        w_q = qdq_weight(w, spec)
+        STATS.qdq_calls += 1
+        STATS.qdq_seconds += time.perf_counter() - t0
+        if cache:
+            wid = id(w)
+            _CACHE[wid] = (weakref.ref(w, lambda _, wid=wid: _CACHE.pop(wid, None)), key, w_q)
+    if not (torch.is_grad_enabled() and w.requires_grad):
+        return w_q
+    out = _StraightThrough.apply(w, w_q, fused_wgrad and hasattr(w, "main_grad"))
+    for name in _MAIN_GRAD_ATTRS:
+        if hasattr(w, name):
+            setattr(out, name, getattr(w, name))
+    if hasattr(out, "grad_added_to_main_grad"):
+        out.grad_added_to_main_grad = False
+    return out
+
+
+_STEP_HOOK: list[Any] = []
+
+
+def install_optimizer_hook() -> None:
+    """After every torch optimizer step, start a new weight version (idempotent)."""
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(lambda *_: mark_weights_updated()))
+
+
+def remove_optimizer_hook() -> None:
+    while _STEP_HOOK:
+        _STEP_HOOK.pop().remove()

@@ -1,0 +1,1 @@
+"""Thin adapters onto host libraries: Megatron-Core (trainer QAT, calibration hooks) and SGLang (rollout)."""

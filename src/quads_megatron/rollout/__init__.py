@@ -1,0 +1,1 @@
+"""Rollout side: W4A4 NVFP4 expert GEMMs with RAC (torch reference), the MoE block, and RAC calibration."""

@@ -1,0 +1,276 @@
+"""Rollout MoE block: routed tokens through W4A4 NVFP4 experts with RAC (what the SGLang backend runs).
+
+y[t] = sum_j  w[t, j] * fc2_e( act( fc1_e(x[t]) ) ),  e = ids[t, j]
+
+fc1/fc2 are W4A4 GEMMs (quads_megatron.w4a4): activations quantized per token (or with a static
+amax), optionally RAC-compensated (static plan or dynamic per-token selection), weights are the
+converter's / trainer's NVFP4 codes as they are (no re-quantization). fc1 outputs and the gated
+activation are rounded to the activation dtype (bf16) like every serving engine does between the
+two GEMMs. Two implementations with one contract: ``reference`` (torch, any device) and
+``triton`` (quads_megatron.kernels.w4a4_grouped, the Hopper path). The Triton path fuses SiLU(gate)
+* up into fc2's activation quantization; on a GPU that SiLU uses Triton's exp, so a few gated
+values may differ from torch's SiLU by one bf16 ulp (bit-identical under the CPU interpreter).
+
+Routing: ids outside [0, E) (tokens routed to experts of another EP rank, marked -1 by SGLang)
+contribute nothing. The top-k sum runs in a fixed order (no atomics): same input, same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quads_megatron.nvfp4 import BLOCK_SIZE, NVFP4Tensor
+from quads_megatron.rollout import rac_plan, reference
+
+ACTIVATIONS = ("silu",)
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """NVFP4 weights of one MoE layer's local experts, stacked as the kernels read them.
+
+    w13_codes u8 [E, 2I, H/2] (gate rows, then up rows), w13_scales u8 [E, 2I, H/16] (E4M3 bytes),
+    w13_sdec f32 [E] (S_dec, shared by gate and up); w2_codes u8 [E, H, I/2], w2_scales u8
+    [E, H, I/16], w2_sdec f32 [E]. Views of the serving engine's parameters are fine (no copies).
+    """
+
+    w13_codes: torch.Tensor
+    w13_scales: torch.Tensor
+    w13_sdec: torch.Tensor
+    w2_codes: torch.Tensor
+    w2_scales: torch.Tensor
+    w2_sdec: torch.Tensor
+
+    def __post_init__(self) -> None:
+        e, two_i, h_half = self.w13_codes.shape
+        if two_i % 2 or self.w2_codes.shape != (e, 2 * h_half, two_i // 4):
+            raise ValueError(
+                f"expert weights: w13 codes {tuple(self.w13_codes.shape)} and w2 codes "
+                f"{tuple(self.w2_codes.shape)} are not [E, 2I, H/2] and [E, H, I/2]"
+            )
+        for name, t, want in (
+            ("w13_scales", self.w13_scales, (e, two_i, h_half * 2 // BLOCK_SIZE)),
+            ("w2_scales", self.w2_scales, (e, 2 * h_half, two_i // 2 // BLOCK_SIZE)),
+            ("w13_sdec", self.w13_sdec, (e,)),
+            ("w2_sdec", self.w2_sdec, (e,)),
+        ):
+            if tuple(t.shape) != want:
+                raise ValueError(f"expert weights: {name} has shape {tuple(t.shape)}, expected {want}")
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13_codes.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w13_codes.shape[2] * 2
+
+    @property
+    def intermediate(self) -> int:
+        return self.w13_codes.shape[1] // 2
+
+    def expert(self, e: int, which: str) -> NVFP4Tensor:
+        """Expert e's 'w13' [2I, H] or 'w2' [H, I] as an NVFP4Tensor (views)."""
+        codes, scales, sdec = (
+            (self.w13_codes, self.w13_scales, self.w13_sdec)
+            if which == "w13"
+            else (self.w2_codes, self.w2_scales, self.w2_sdec)
+        )
+        return NVFP4Tensor(codes[e], scales[e].view(torch.float8_e4m3fn), sdec[e].reshape(()))
+
+
+@dataclass(frozen=True)
+class GemmRAC:
+    """RAC of one GEMM: a static plan (calibrated), or dynamic per-token channels, or neither."""
+
+    plan: rac_plan.RACPlan | None = None
+    dynamic_channels: int = 0
+    mask: torch.Tensor | None = None  # the plan's int8 [K/16] block mask on the compute device
+
+    def on(self, device: torch.device | str) -> GemmRAC:
+        """The same selection with its mask already on device (no host copy per call: CUDA-graph safe)."""
+        if self.plan is None:
+            return self
+        return GemmRAC(self.plan, 0, self.plan.block_mask(device).to(torch.int8))
+
+    def __post_init__(self) -> None:
+        rac_plan.check_rac_selection(self.plan.k if self.plan is not None else 0, self.plan, self.dynamic_channels)
+
+
+@dataclass(frozen=True)
+class LayerRAC:
+    fc1: GemmRAC = GemmRAC()
+    fc2: GemmRAC = GemmRAC()
+
+    def on(self, device: torch.device | str) -> LayerRAC:
+        return LayerRAC(self.fc1.on(device), self.fc2.on(device))
+
+
+def route(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group (token, slot) pairs by expert, without a host sync.
+
+    Returns order int64 [T*k] (flat slot index of each grouped row; pairs with foreign experts
+    last), offs int32 [E] (cumulative row ends, as torch._grouped_mm), valid bool [T*k] (grouped
+    rows that belong to a local expert).
+    """
+    ids = topk_ids.reshape(-1).long()
+    local = (ids >= 0) & (ids < num_experts)
+    key = torch.where(local, ids, torch.full_like(ids, num_experts))
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
+    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:num_experts]  # bincount would sync
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    return order, offs, local[order]
+
+
+def check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not supported (supported: {list(ACTIVATIONS)})")
+
+
+def gated_activation(y1: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """[M, 2I] (gate | up) -> act(gate) * up [M, I], computed in fp32, rounded to y1's dtype."""
+    check_activation(activation)
+    gate, up = y1.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(y1.dtype)
+
+
+def combine(
+    y_grouped: torch.Tensor, order: torch.Tensor, valid: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """Grouped expert outputs [T*k, H] -> sum_j w[t, j] * y[t, j] in fp32 [T, H], in slot order."""
+    t, k = topk_weights.shape
+    y = torch.zeros((t * k, y_grouped.shape[1]), dtype=torch.float32, device=y_grouped.device)
+    y[order] = torch.where(valid[:, None], y_grouped.float(), 0.0)
+    return (y.view(t, k, -1) * topk_weights.float().unsqueeze(-1)).sum(1)
+
+
+def moe_w4a4(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    rac: LayerRAC = LayerRAC(),
+    static_amax: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    activation: str = "silu",
+    impl: str = "auto",
+    check: bool = True,
+) -> torch.Tensor:
+    """MoE experts of x [T, H] (bf16/fp16) with topk_ids/topk_weights [T, k] -> [T, H] in x.dtype.
+
+    impl: 'reference' (torch), 'triton' (Triton kernels; CPU only under TRITON_INTERPRET=1), 'wgmma'
+    (the expert GEMMs on the Gluon Hopper kernel instead: sm_90, K % 128 == 0, K >= 256, N % 64 == 0), or
+    'auto' (wgmma where it runs and is the faster GEMM at this many rows, else triton on CUDA, reference
+    elsewhere). check: refuse NaN/Inf in x (a host sync; pass False inside CUDA-graph capture). Nothing
+    else syncs with the host on the Triton path.
+    """
+    if x.dim() != 2 or x.shape[1] != weights.hidden:
+        raise ValueError(f"hidden states must be [T, {weights.hidden}], got {tuple(x.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} must both be [T={x.shape[0]}, k]"
+        )
+    if impl == "auto":
+        rows = topk_ids.numel()
+        impl = ("wgmma" if hopper_gemm_usable(x.device, weights, rows) else "triton") if x.is_cuda else "reference"
+    if impl not in ("reference", "triton", "wgmma"):
+        raise ValueError(f"impl must be 'auto', 'reference', 'triton' or 'wgmma', got {impl!r}")
+    if impl == "wgmma" and not hopper_gemm_usable(x.device, weights):
+        raise ValueError(
+            "impl='wgmma' needs an sm_90 GPU, H and I multiples of 128 and >= 256, and a Triton with Gluon"
+        )
+    check_activation(activation)  # before any work, on both paths
+    if x.shape[0] == 0:  # idle batch (e.g. data-parallel attention ranks without tokens)
+        return torch.empty_like(x)
+    order, offs, valid = route(topk_ids, weights.num_experts)
+    tokens = order // topk_ids.shape[1]
+    if impl == "reference":
+        y2 = _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation)
+        return combine(y2, order, valid, topk_weights).to(x.dtype)
+    from quads_megatron.kernels import moe_combine
+
+    y2 = _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, impl == "wgmma")
+    return moe_combine.combine(y2, order, topk_ids, topk_weights, weights.num_experts, x.dtype)
+
+
+def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation):
+    e = weights.num_experts
+
+    def gemm(a, which, g, amax):
+        ws = [weights.expert(i, which) for i in range(e)]
+        plans = None if g.plan is None else [g.plan] * e
+        return reference.grouped_w4a4_reference(a, offs, ws, plans, amax, g.dynamic_channels).to(x.dtype)
+
+    y1 = gemm(x[tokens], "w13", rac.fc1, static_amax[0])
+    h = torch.where(valid[:, None], gated_activation(y1, activation), 0.0)
+    return gemm(h, "w2", rac.fc2, static_amax[1])
+
+
+def hopper_gemm_usable(device: torch.device, weights: ExpertWeights, rows: int | None = None) -> bool:
+    """Whether both expert GEMMs can run on the Gluon Hopper kernel (kernels/w4a4_wgmma.py) here;
+    with rows (tokens * top-k), also whether it is the faster GEMM there (w4a4_wgmma.faster_than_triton)."""
+    if device.type != "cuda":
+        return False
+    try:
+        from quads_megatron.kernels import w4a4_wgmma as wg
+    except ImportError:  # a Triton without Gluon's Hopper API
+        return False
+    h, i = weights.hidden, weights.intermediate
+    usable = wg.usable(device, 2 * i, h) and wg.usable(device, h, i)
+    return usable and (rows is None or wg.faster_than_triton(rows))
+
+
+def _gemm_block_rows(rows: int, n: int, k: int, wgmma: bool, out_dtype: torch.dtype) -> int:
+    """Row-tile height the expert GEMM will run at this many grouped rows (its tile config)."""
+    if wgmma:
+        from quads_megatron.kernels import w4a4_wgmma as wg
+
+        return wg.wgmma_config(rows, n, out_dtype)["block_t"]
+    from quads_megatron.kernels import w4a4_grouped as kg
+
+    return kg.gemm_config(rows, k)["block_m"]
+
+
+def _expert_gemm(op, offs, codes, scales, sdec, out_dtype, a_rows=None, tiles=None):
+    from quads_megatron.kernels import w4a4_grouped as kg
+
+    if op.order == "wgmma":
+        from quads_megatron.kernels import w4a4_wgmma as wg
+
+        return wg.grouped_w4a4_wgmma(
+            op.values, op.global_decode, offs, codes, scales, sdec, out_dtype, a_rows, tiles=tiles
+        )
+    rows = op.values.shape[0] if a_rows is None else a_rows.numel()
+    cfg = kg.gemm_config(rows, codes.shape[2] * 2)
+    return kg.grouped_w4a4(op, offs, codes, scales, sdec, out_dtype=out_dtype, a_rows=a_rows, tiles=tiles, **cfg)
+
+
+def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, wgmma):
+    """fc1 reads the per-token operand through the grouped rows' token index (no gathered copy);
+    SiLU(gate) * up and the foreign-row mask are fused into fc2's activation quantization. fc1's
+    quantization launch also writes the GEMMs' row-tile table, shared by fc2 where its tiles are as
+    tall (no launch of its own). wgmma: operands in the Gluon kernel's order, GEMMs on it."""
+    from quads_megatron.kernels import w4a4_grouped as kg
+
+    g1, g2 = rac.fc1, rac.fc2
+    order = "wgmma" if wgmma else "pairs"
+    rows, h, i = tokens.numel(), weights.hidden, weights.intermediate
+    bt1 = _gemm_block_rows(rows, 2 * i, h, wgmma, x.dtype)
+    bt2 = _gemm_block_rows(rows, h, i, wgmma, x.dtype)
+
+    def operand(a, g, amax, **kw):
+        return kg.activation_operand(
+            a, g.plan, amax, block_mask=g.mask, dynamic_channels=g.dynamic_channels, order=order, **kw
+        )
+
+    op = operand(x, g1, static_amax[0], check=check, row_tiles=(offs, bt1, rows))  # once per token
+    y1 = _expert_gemm(
+        op, offs, weights.w13_codes, weights.w13_scales, weights.w13_sdec, x.dtype, a_rows=tokens, tiles=op.tiles
+    )
+    # of gated_activation(y1), zero on foreign rows; finite by construction
+    row_tiles2 = None if bt2 == bt1 else (offs, bt2, rows)
+    op2 = operand(y1, g2, static_amax[1], check=False, gated=True, row_valid=valid, row_tiles=row_tiles2)
+    tiles2 = op.tiles if bt2 == bt1 else op2.tiles
+    return _expert_gemm(op2, offs, weights.w2_codes, weights.w2_scales, weights.w2_sdec, x.dtype, tiles=tiles2)
