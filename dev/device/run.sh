@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On the GPU machine, after install.sh: run parts of the GPU checks and benchmarks, each with its own timeout,
+# each logging to $OUT/<part>.log (at most 8 files come back per call), one summary line per part.
+#   bash dev/device/run.sh PART[:SECONDS] ...      parts: cuda te engine sync block gemm engine-bench cpu
+# engine-bench takes its arguments from BENCH_ENGINE_ARGS.
+set -u
+. /tmp/quads_env.sh
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+cd "$(dirname "$0")/../.."   # the checkout: tests/ and benchmarks/ from here, quads_megatron from /tmp/site
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+pt() { python3 -m pytest -q -rs -p no:cacheprovider -p no:warnings "$@"; }
+for spec in "$@"; do
+  part=${spec%%:*}; secs=${spec#*:}; [ "$secs" = "$spec" ] && secs=540
+  log="$OUT/$part.log"; t0=$(date +%s)
+  case "$part" in
+    cuda) timeout "$secs" bash -c "$(declare -f pt); pt tests/test_gpu_cuda.py" > "$log" 2>&1 ;;
+    te) timeout "$secs" bash -c "$(declare -f pt); pt tests/gpu/ -k 'te_'" > "$log" 2>&1 ;;
+    engine) timeout "$secs" bash -c "$(declare -f pt); pt tests/gpu/test_sglang_engine.py" > "$log" 2>&1 ;;
+    sync) timeout "$secs" bash -c "$(declare -f pt); pt tests/gpu/test_live_sync.py" > "$log" 2>&1 ;;
+    block) timeout "$secs" python3 benchmarks/bench_moe_block.py --out "$OUT" > "$log" 2>&1 ;;
+    gemm) timeout "$secs" python3 benchmarks/bench_moe_w4a4.py --out "$OUT" > "$log" 2>&1 ;;
+    engine-bench) timeout "$secs" python3 benchmarks/bench_engine.py --out "$OUT" ${BENCH_ENGINE_ARGS:-} > "$log" 2>&1 ;;
+    cpu) CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 timeout "$secs" bash -c "$(declare -f pt); pt tests --ignore=tests/gpu" > "$log" 2>&1 ;;
+    *) echo "unknown part $part" > "$log"; false ;;
+  esac
+  rc=$?
+  echo "== $part: rc=$rc in $(( $(date +%s) - t0 )) s; $(grep -E 'passed|failed|error|Error' "$log" | tail -1 | cut -c1-200)"
+done
