@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from helpers import free_port
 from quads_megatron import checkpoint
 from quads_megatron.checkpoint import ConvertError, ConvertOptions
-from quads_megatron.checkpoint import megatron as megatron_convert
+from quads_megatron.checkpoint import output as convert_output
 from test_convert import E, F, H, L, hf_moe_state, read_all, write_hf
 
 NQ, NKV, HD = 4, 2, 8  # attention of the full-model case: q [32, 32], k/v [16, 32]
@@ -114,7 +114,7 @@ def _save_worker(rank: int, world: int, port: int, ckpt: str, stacked: bool = Fa
 def interrupt_second_shard_write(ckpt: str, dst: str, base: str, monkeypatch) -> list[str]:
     """Run a conversion that is killed while writing its second shard; afterwards record every
     shard written (the caller's next conversion resumes)."""
-    real_save, calls = megatron_convert.save_file, []
+    real_save, calls = convert_output.save_file, []
 
     def failing_save(tensors, path, metadata=None):
         calls.append(os.path.basename(path))
@@ -122,19 +122,21 @@ def interrupt_second_shard_write(ckpt: str, dst: str, base: str, monkeypatch) ->
             raise KeyboardInterrupt
         real_save(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(megatron_convert, "save_file", failing_save)
+    monkeypatch.setattr(convert_output, "save_file", failing_save)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.convert_megatron_dist(ckpt, dst, base, ConvertOptions(progress=False), non_expert="hf")
     assert not os.path.exists(dst)
     monkeypatch.setattr(
-        megatron_convert, "save_file", lambda *a, **k: (calls.append(os.path.basename(a[1])), real_save(*a, **k))
+        convert_output, "save_file", lambda *a, **k: (calls.append(os.path.basename(a[1])), real_save(*a, **k))
     )
     return calls
 
 
 def test_ep1_and_ep2_dist_checkpoints_convert_to_identical_bytes(tmp_path, monkeypatch):
     pytest.importorskip("psutil")  # megatron's dist_checkpointing writer needs it
-    base = write_hf(tmp_path / "hf", {k: v.float().bfloat16() for k, v in hf_moe_state().items()})
+    base_sd = {k: v.float().bfloat16() for k, v in hf_moe_state().items()}
+    base_sd["model.layers.1.self_attn.q_proj.weight"][0, 3] = float("nan")  # copied from base; verify compares bytes
+    base = write_hf(tmp_path / "hf", base_sd)
     outs = {}
     for world in (1, 2):
         ckpt = str(tmp_path / f"mcore_ep{world}")
@@ -191,7 +193,42 @@ def test_non_expert_weights_are_mapped_from_the_megatron_checkpoint(tmp_path):
     mp.spawn(_save_worker, args=(1, free_port(), str(bare), True, False), nprocs=1, join=True)
     with pytest.raises(ConvertError, match="non-expert-from hf"):
         checkpoint.convert_megatron_dist(str(bare), str(tmp_path / "out2"), str(base), ConvertOptions(progress=False))
-    assert not os.path.exists(tmp_path / "out2")
+    assert not os.path.exists(tmp_path / "out2") and not os.path.exists(tmp_path / "out2.partial")  # refused first
+
+
+def test_megatron_conversion_has_the_same_protections(tmp_path):
+    """Calibration inputs are checked against the Megatron layers, sources are never removed, a
+    partial the converter did not write is left alone: the same checks as the HF path, before any write."""
+    pytest.importorskip("psutil")
+    base = write_hf(tmp_path / "hf", hf_moe_state())
+    ckpt = tmp_path / "mcore"
+    os.makedirs(ckpt)
+    mp.spawn(_save_worker, args=(1, free_port(), str(ckpt)), nprocs=1, join=True)
+    one_layer = {"model.layers.0.mlp.experts": {"w13": [0], "w2": [0]}}
+    amax = {"model.layers.0.mlp.experts.0.gate_proj": 3.0}
+    cases = [
+        (tmp_path / "out", {"quads": {"rac_plans": one_layer}}, "cover 1 of 2 MoE layers converted"),
+        (
+            tmp_path / "out",
+            {"quads": {"rac_plans": {**one_layer, "model.layers.1.mlp.experts": {"w13": [0], "w2": [3]}}}},
+            r"block index 3 is out of range \[0, 3\) for K=48",
+        ),
+        (tmp_path / "out", {"input_amax": amax}, "covers 1 of 24 quantized modules"),
+        (tmp_path / "out", {"quads": {"rollout": {"activation_scale": "static"}}}, "no input amax"),
+        (base, {"overwrite": True}, "refusing to remove it: it is the source"),
+        (ckpt, {"overwrite": True}, "refusing to remove it: it is the source"),
+        (tmp_path, {"overwrite": True}, "refusing to remove it: it contains the source"),
+    ]
+    before = sorted(os.listdir(tmp_path))
+    for dst, opts, message in cases:
+        with pytest.raises(ConvertError, match=message):
+            checkpoint.convert_megatron_dist(str(ckpt), str(dst), str(base), ConvertOptions(progress=False, **opts))
+        assert sorted(os.listdir(tmp_path)) == before
+    (tmp_path / "out.partial").mkdir()
+    (tmp_path / "out.partial" / "keep").write_text("x")
+    with pytest.raises(ConvertError, match="out.partial: refusing to remove it: it was not written by quads convert"):
+        checkpoint.convert_megatron_dist(str(ckpt), str(tmp_path / "out"), str(base), ConvertOptions(progress=False))
+    assert (tmp_path / "out.partial" / "keep").read_text() == "x"
 
 
 def test_megatron_names_map_to_hf_and_unknown_ones_are_refused():

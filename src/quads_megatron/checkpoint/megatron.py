@@ -2,27 +2,31 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 import time
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from quads_megatron import __version__
+from quads_megatron.checkpoint.calibration_inputs import MoELayer, check_calibration
 from quads_megatron.checkpoint.hf import read_shards
 from quads_megatron.checkpoint.live_sync import megatron_expert_tensors
-from quads_megatron.checkpoint.modelopt import INDEX, ConvertOptions, excluded_linears, write_quant_configs
+from quads_megatron.checkpoint.modelopt import (
+    ConvertOptions,
+    classify,
+    excluded_linears,
+    fill_input_scales,
+    read_model_config,
+    write_quant_configs,
+)
 from quads_megatron.checkpoint.output import (
-    STATE,
+    ConversionOutput,
     Progress,
     copy_side_files,
     dir_fingerprint,
-    load_state,
-    save_state,
+    same_tensor,
     source_fingerprint,
 )
 from quads_megatron.errors import ConvertError
@@ -58,8 +62,10 @@ def convert_megatron_dist(
     if non_expert not in ("megatron", "hf"):
         raise ConvertError(f"non_expert must be 'megatron' or 'hf', got {non_expert!r}")
     t0 = time.time()
-    if os.path.exists(dst) and not opts.overwrite:
-        raise ConvertError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
+    for path, what in ((src, "Megatron checkpoint"), (base_hf, "HF checkpoint (--megatron-base-hf)")):
+        if not os.path.isdir(path):
+            raise ConvertError(f"{path}: not a directory ({what})")
+    out = ConversionOutput(dst, [src, base_hf, *opts.source_paths], opts.overwrite, opts.progress)
     try:
         ckpt = DistCheckpoint(src)
     except DistCheckpointError as e:
@@ -78,15 +84,23 @@ def convert_megatron_dist(
             f"{src}: no global expert tensors '...layers[.N].mlp.experts.experts.linear_fc1.weight' found "
             f"(unknown layout; expert keys seen: {sample or 'none'})"
         )
+    moe: dict[str, MoELayer] = {}
+    modules: set[str] = set()
     for (_, layer), fcs in experts.items():
+        shapes = {}
         for fc in ("fc1", "fc2"):
             if fc not in fcs:
                 raise ConvertError(f"{src}: layer {layer} has no linear_{fc} experts (half-written checkpoint?)")
             t = fcs[fc]
-            shape = ckpt.shape(t.key)[0 if t.layer is None else 1 :]
-            if len(shape) != 3:
+            shapes[fc] = ckpt.shape(t.key)[0 if t.layer is None else 1 :]
+            if len(shapes[fc]) != 3:
                 raise ConvertError(f"{src}: {t.key} has shape {ckpt.shape(t.key)}, expected [(L,) E, N, K]")
-    base_shards = read_shards(base_hf)
+        prefix = f"{hf_prefix}.{layer + layer_offset}.mlp.experts"
+        moe[prefix] = MoELayer(hidden=shapes["fc1"][-1], inter=shapes["fc2"][-1])
+        modules |= {f"{prefix}.{e}.{p}" for e in range(shapes["fc1"][0]) for p in ("gate_proj", "up_proj", "down_proj")}
+    check_calibration(opts, modules, moe)
+    model_config = read_model_config(base_hf)
+    base_shards = read_shards(base_hf, opts.progress)
     base_names = {n: shard for shard, keys in base_shards.items() for n in keys}
     handles: dict[str, object] = {}
 
@@ -96,6 +110,61 @@ def convert_megatron_dist(
             handles[shard] = safe_open(os.path.join(base_hf, shard), "pt")
         return handles[shard].get_slice(name)  # type: ignore[attr-defined]
 
+    def _map(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        try:
+            return megatron_to_hf(name, t, attn, hf_prefix, layer_offset)
+        except MappingError as e:
+            raise ConvertError(
+                f"{src}: {e}; pass non_expert='hf' (--non-expert-from hf) to take them from {base_hf}"
+            ) from e
+
+    def check_output(name: str, shape: list[int], what: str) -> None:
+        if name not in base_names:
+            raise ConvertError(f"{name}: {what} {src} but absent from {base_hf} (different model?)")
+        want = list(base_slice(name).get_shape())
+        if want != shape:
+            raise ConvertError(f"{name}: {src} gives {shape}, {base_hf} has {want}")
+
+    # every output name and shape is checked against base_hf before anything is written
+    expert_weights: set[str] = set()
+    for (_, layer), fcs in experts.items():
+        (n_exp, rows, hidden), (_, hidden2, inter) = (ckpt.shape(fcs[fc].key)[-3:] for fc in ("fc1", "fc2"))
+        if rows % 2:
+            raise ConvertError(f"{src}: {fcs['fc1'].key} has an odd row count {rows}; expected gate|up halves")
+        for e in range(n_exp):
+            base = f"{hf_prefix}.{layer + layer_offset}.mlp.experts.{e}"
+            for proj, shape in (("gate_proj", [rows // 2, hidden]), ("up_proj", [rows // 2, hidden])):
+                check_output(f"{base}.{proj}.weight", shape, "converted from")
+            check_output(f"{base}.down_proj.weight", [hidden2, inter], "converted from")
+            expert_weights |= {f"{base}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    unconverted = sorted(n for n in base_names if n not in expert_weights and classify(n, ConvertOptions()))
+    if unconverted:
+        raise ConvertError(f"{base_hf} has expert weights that {src} does not: {unconverted[:3]}")
+    attn = None  # needed only to split a fused QKV weight
+    if non_expert == "megatron" and "num_attention_heads" in model_config:
+        try:
+            attn = AttentionShape.from_hf_config(model_config)
+        except MappingError as e:
+            raise ConvertError(f"{base_hf}/config.json: {e}") from e
+    groups: dict[str, list] = {}
+    mapped: set[str] = set()
+    for t in others if non_expert == "megatron" else ():
+        m = re.match(r"^.*?layers\.(\d+)\.", t.name)
+        groups.setdefault(
+            f"model-nonexpert-{int(m[1]):05d}.safetensors" if m else "model-nonexpert-global.safetensors", []
+        ).append(t)
+        shape = ckpt.shape(t.key)[0 if t.layer is None else 1 :]
+        meta = torch.empty(shape, dtype=ckpt.tensors[t.key].properties.dtype, device="meta")
+        for name, x in _map(t.name, meta):
+            check_output(name, list(x.shape), "mapped from")
+            mapped.add(name)
+    missing = sorted(set(base_names) - expert_weights - mapped) if non_expert == "megatron" else []
+    if missing:
+        raise ConvertError(
+            f"{src} has no tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''} of {base_hf}; "
+            "pass non_expert='hf' (--non-expert-from hf) to take non-expert weights from the HF checkpoint"
+        )
+
     def convert_layer(pre: str, layer: int) -> dict[str, torch.Tensor]:
         named = []
         for fc in ("fc1", "fc2"):
@@ -103,52 +172,17 @@ def convert_megatron_dist(
             named += [
                 (f"{pre}layers.{layer}.mlp.experts.local_experts.{e}.linear_{fc}.weight", t[e]) for e in range(len(t))
             ]
-        out = dict(megatron_expert_tensors(named, 0, len(named) // 2, hf_prefix, layer_offset, opts.input_amax))
-        for name, t in out.items():
-            if not name.endswith(".weight"):
-                continue
-            if name not in base_names:
-                raise ConvertError(f"{name}: converted from {src} but absent from {base_hf} (different model?)")
-            shape = list(base_slice(name).get_shape())
-            if shape != [t.shape[0], t.shape[1] * 2]:
-                raise ConvertError(f"{name}: {src} gives [N, K]={[t.shape[0], t.shape[1] * 2]}, {base_hf} has {shape}")
-        return out
-
-    attn = None  # needed only to split a fused QKV weight
-    if non_expert == "megatron":
-        with open(os.path.join(base_hf, "config.json")) as f:
-            hf_config = json.load(f)
-        if "num_attention_heads" in hf_config:
-            try:
-                attn = AttentionShape.from_hf_config(hf_config)
-            except MappingError as e:
-                raise ConvertError(f"{base_hf}/config.json: {e}") from e
-    groups: dict[str, list] = {}
-    for t in others:
-        m = re.match(r"^.*?layers\.(\d+)\.", t.name)
-        groups.setdefault(
-            f"model-nonexpert-{int(m[1]):05d}.safetensors" if m else "model-nonexpert-global.safetensors", []
-        ).append(t)
+        return fill_input_scales(
+            dict(megatron_expert_tensors(named, 0, len(named) // 2, hf_prefix, layer_offset, opts.input_amax))
+        )
 
     def map_group(shard: str) -> dict[str, torch.Tensor]:
         out = {}
         for t in groups[shard]:
-            try:
-                pairs = megatron_to_hf(t.name, ckpt.read(t), attn, hf_prefix, layer_offset)
-            except MappingError as e:
-                raise ConvertError(
-                    f"{src}: {e}; pass non_expert='hf' (--non-expert-from hf) to take them from {base_hf}"
-                ) from e
-            for name, x in pairs:
-                if name not in base_names:
-                    raise ConvertError(f"{name}: mapped from {src} but absent from {base_hf} (different model?)")
-                sl = base_slice(name)
-                if list(sl.get_shape()) != list(x.shape):
-                    raise ConvertError(f"{name}: {src} gives {list(x.shape)}, {base_hf} has {list(sl.get_shape())}")
-                out[name] = x.to(_ST_DTYPES.get(sl.get_dtype(), x.dtype)).contiguous()
+            for name, x in _map(t.name, ckpt.read(t)):
+                out[name] = x.to(_ST_DTYPES.get(base_slice(name).get_dtype(), x.dtype)).contiguous()
         return out
 
-    partial = dst.rstrip("/") + ".partial"
     fingerprint = {
         "source": dir_fingerprint(src),
         "base": source_fingerprint(base_hf, base_shards),
@@ -156,67 +190,54 @@ def convert_megatron_dist(
         "layout": [hf_prefix, layer_offset, non_expert],
         "version": __version__,
     }
-    state = load_state(partial, fingerprint)
-    done = state.setdefault("done", {})
-    weight_map: dict[str, str] = {}
+    names = list(base_names)
+    targets = {n: (n[: -len(".weight")], "") for n in expert_weights}
     layers = sorted(experts)
     units = [
         (f"model-experts-{layer:05d}.safetensors", lambda p=pre, x=layer: convert_layer(p, x)) for pre, layer in layers
     ]
     if non_expert == "megatron":
         units += [(shard, lambda s=shard: map_group(s)) for shard in sorted(groups)]
-    progress = Progress(len(units) + (len(base_shards) if non_expert == "hf" else 0), opts.progress)
-    for shard, make in units:
-        if shard not in done:
-            out = make()
-            save_file(out, os.path.join(partial, shard), metadata={"format": "pt"})
-            done[shard] = sorted(out)
-            save_state(partial, state)
-        weight_map.update({k: shard for k in done[shard]})
-        progress.step(shard)
-    experts_out = {k[: -len(".weight")] for s, _ in units[: len(layers)] for k in done[s] if k.endswith(".weight")}
-    names = list(base_names)
-    targets = {
-        n: (n[: -len(".weight")], "") for n in names if n.endswith(".weight") and n[: -len(".weight")] in experts_out
-    }
-    if non_expert == "hf":
-        for shard, keys in base_shards.items():
-            out_shard = f"model-base-{shard}"
-            rest = [k for k in keys if k not in targets]
-            if rest and out_shard not in done:
-                with safe_open(os.path.join(base_hf, shard), "pt") as f:
-                    kept = {k: f.get_tensor(k) for k in rest}
-                save_file(kept, os.path.join(partial, out_shard), metadata={"format": "pt"})
-                done[out_shard] = sorted(kept)
-                save_state(partial, state)
-            weight_map.update({k: out_shard for k in done.get(out_shard, [])})
-            progress.step(shard)
-    missing = sorted(set(base_names) - set(weight_map) - set(targets))
-    if missing:
-        raise ConvertError(
-            f"{src} has no tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''} of {base_hf}; "
-            "pass non_expert='hf' (--non-expert-from hf) to take non-expert weights from the HF checkpoint"
-        )
-    with open(os.path.join(partial, INDEX), "w") as f:
-        json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
-    write_quant_configs(base_hf, partial, sorted(excluded_linears(names, targets)), opts.quads)
-    copy_side_files(base_hf, partial)
-    if opts.verify:  # re-read what was written against a fresh conversion (or base, for copied tensors)
+    base_units = [f"model-base-{shard}" for shard in base_shards] if non_expert == "hf" else []
+    with out.writing(fingerprint):
+        out.resume([shard for shard, _ in units] + base_units)
+        weight_map: dict[str, str] = {}
+        progress = Progress("write", len(units) + len(base_units), opts.progress)
         for shard, make in units:
-            with safe_open(os.path.join(partial, shard), "pt") as f:
-                for name, want in make().items():
-                    if not torch.equal(f.get_tensor(name).view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)):
-                        raise ConvertError(f"verify: {name} in {shard} differs from a fresh conversion of {src}")
+            if out.done_keys(shard) is None:
+                out.write_shard(shard, make())
+            weight_map.update({k: shard for k in out.done_keys(shard) or []})
+            progress.step(shard)
         if non_expert == "hf":
             for shard, keys in base_shards.items():
+                out_shard = f"model-base-{shard}"
+                rest = [k for k in keys if k not in targets]
+                if rest and out.done_keys(out_shard) is None:
+                    with safe_open(os.path.join(base_hf, shard), "pt") as f:
+                        out.write_shard(out_shard, {k: f.get_tensor(k) for k in rest})
+                weight_map.update({k: out_shard for k in out.done_keys(out_shard) or []})
+                progress.step(out_shard)
+        out.write_index(weight_map)
+        write_quant_configs(model_config, out.partial, sorted(excluded_linears(names, targets)), opts.quads)
+        copy_side_files(base_hf, out.partial)
+
+        def verify() -> None:  # re-read what was written against a fresh conversion (or base, for copied tensors)
+            bar = Progress("verify", len(units) + len(base_units), opts.progress)
+            for shard, make in units:
+                with safe_open(os.path.join(out.partial, shard), "pt") as f:
+                    for name, want in make().items():
+                        if not same_tensor(f.get_tensor(name), want):
+                            raise ConvertError(f"verify: {name} in {shard} differs from a fresh conversion of {src}")
+                bar.step(shard)
+            for shard, keys in base_shards.items() if non_expert == "hf" else ():
                 with safe_open(os.path.join(base_hf, shard), "pt") as f:
                     for k in keys:
                         if k not in targets:
-                            with safe_open(os.path.join(partial, weight_map[k]), "pt") as g:
-                                if not torch.equal(g.get_tensor(k), f.get_tensor(k)):
+                            with safe_open(os.path.join(out.partial, weight_map[k]), "pt") as g:
+                                if not same_tensor(g.get_tensor(k), f.get_tensor(k)):
                                     raise ConvertError(f"verify: {k} differs from {base_hf}")
-    os.remove(os.path.join(partial, STATE))
-    if os.path.exists(dst):
-        shutil.rmtree(dst)
-    os.rename(partial, dst)
-    return {"quantized_modules": len(experts_out), "layers": len(layers), "seconds": time.time() - t0}
+                bar.step(shard)
+
+        out.verify(verify, opts.verify)
+        out.publish()
+    return {"quantized_modules": len(modules), "layers": len(layers), "seconds": time.time() - t0}

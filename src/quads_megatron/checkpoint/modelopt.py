@@ -1,9 +1,12 @@
 """ModelOpt NVFP4 naming: which HF parameters are quantized, their tensors, and the quantization configs.
 
-Per quantized linear ``weight`` (uint8 [N, K/2]), ``weight_scale`` (float8_e4m3fn [N, K/16]),
-``weight_scale_2`` (fp32 scalar), ``input_scale`` (fp32); gate/up (w1/w3) of one expert share one
-global amax, which is what the trainer's fused fc1 per-tensor scale is, so dq(converted) equals the
-trainer's qdq(W) bit for bit. All numbers come from quads_megatron.nvfp4.
+Per quantized linear, as ModelOpt's own HF export writes it: ``weight`` (uint8 [N, K/2]),
+``weight_scale`` (float8_e4m3fn [N, K/16]), ``weight_scale_2`` (fp32 scalar), ``input_scale`` (fp32
+scalar). Gate/up (w1/w3) of one expert share one global amax, which is what the trainer's fused fc1
+per-tensor scale is, so dq(converted) equals the trainer's qdq(W) bit for bit. All numbers come from
+quads_megatron.nvfp4. Configs: ``hf_quant_config.json`` and config.json ``quantization_config`` in
+the fields of ModelOpt's export (modelopt/torch/export: quant_utils.get_quant_config,
+convert_hf_config.convert_hf_quant_config_format), which SGLang's modelopt_fp4 reader parses.
 """
 
 from __future__ import annotations
@@ -16,13 +19,21 @@ import re
 from dataclasses import asdict, dataclass, field
 
 import torch
-from safetensors.torch import load_file
 
 from quads_megatron import __version__, nvfp4
 from quads_megatron.errors import ConvertError, NVFP4InputError
 
 INDEX = "model.safetensors.index.json"
-STATE = "quads_convert_state.json"
+
+#: input_scale of a quantized linear when no activation amax was calibrated (no --input-amax).
+#: ModelOpt writes a static input_scale for every quantized linear and stock loaders read it (some
+#: allocate it uninitialised when absent). 1.0 is what SGLang's ModelOpt NVFP4 method itself uses
+#: when a checkpoint has no activation scale: S_dec = 1 stands for an activation amax of 2688
+#: (6 * 448), so no activation of a real model is clipped; the cost is precision on small blocks
+#: (block amax below 6 * 2^-6 ~ 0.09 gets a subnormal E4M3 block scale, below ~0.006 it rounds to
+#: zero). The quads_nvfp4 method ignores it: it uses dynamic per-token activation scales unless
+#: rollout.activation_scale is static (which needs --input-amax).
+UNCALIBRATED_INPUT_SCALE = 1.0
 
 # expert projection names: (regex on the parameter name, role)
 _EXPERT_RE = [
@@ -41,6 +52,8 @@ class ConvertOptions:
     overwrite: bool = False
     verify: bool = False
     progress: bool = True
+    # other files the conversion reads (calibration files, configs): their directories are never removed
+    source_paths: tuple[str, ...] = ()
     # QUADS rollout extras written into the quantization configs (read by the SGLang quads_nvfp4
     # method, ignored by stock ModelOpt loaders): {"rollout": {...}, "rac_plans": {prefix: {w13, w2}}}
     quads: dict = field(default_factory=dict)
@@ -70,6 +83,17 @@ def pair_module(module: str) -> str | None:
     return f"{head}.{_GATE_UP[proj]}" if proj in _GATE_UP else None
 
 
+def routed_moe_gemm(module: str) -> tuple[str, str] | None:
+    """(MoE layer prefix, 'w13' or 'w2') of a routed-expert module, as the rollout's FusedMoE names
+    them (``model.layers.0.mlp.experts.3.up_proj`` -> ``('model.layers.0.mlp.experts', 'w13')``)."""
+    for rx in _EXPERT_RE:
+        m = rx.match(module + ".weight")
+        if m:
+            layer = m["expert"].rpartition(".")[0]
+            return layer, "w13" if m["proj"] in _GATE_UP else "w2"
+    return None
+
+
 def check_weight(weight: torch.Tensor, name: str) -> None:
     if weight.dim() != 2:
         raise ConvertError(f"{name}: expected a 2-D [N, K] weight, got shape {tuple(weight.shape)}")
@@ -92,65 +116,70 @@ def modelopt_tensors(module: str, q: nvfp4.NVFP4Tensor, input_amax: float | None
     return out
 
 
+def fill_input_scales(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Add UNCALIBRATED_INPUT_SCALE (fp32 scalar) as ``input_scale`` of every quantized linear
+    (one with a ``weight_scale_2``) that has none; returns tensors."""
+    for name in [n for n in tensors if n.endswith(".weight_scale_2")]:
+        key = name[: -len("weight_scale_2")] + "input_scale"
+        if key not in tensors:
+            tensors[key] = torch.tensor(UNCALIBRATED_INPUT_SCALE, dtype=torch.float32)
+    return tensors
+
+
 def excluded_linears(names: list[str], targets: dict[str, tuple[str, str]]) -> set[str]:
     return {n[: -len(".weight")] for n in names if n.endswith(".weight") and n not in targets}
 
 
-def write_quant_configs(src: str, dst: str, exclude: list[str], quads: dict | None = None) -> None:
+def quant_configs(exclude: list[str], quads: dict | None = None) -> tuple[dict, dict]:
+    """(hf_quant_config.json, config.json quantization_config) for an NVFP4 checkpoint whose
+    quantized linears are everything but ``exclude``; ``quads`` (rollout settings and RAC plans for
+    the quads_nvfp4 method, ignored by stock loaders) is added to both when given. The KV cache is
+    not quantized: kv_cache_quant_algo is null and, as in ModelOpt's export, no kv_cache_scheme."""
     producer = {"name": "quads_megatron", "version": __version__}
-    hf_quant = {
+    hf_quant: dict = {
         "producer": producer,
         "quantization": {
             "quant_algo": "NVFP4",
             "kv_cache_quant_algo": None,
-            "group_size": 16,
-            "exclude_modules": exclude,
+            "group_size": nvfp4.BLOCK_SIZE,
+            "exclude_modules": list(exclude),
         },
+    }
+    scheme = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": nvfp4.BLOCK_SIZE}
+    config: dict = {
+        "config_groups": {
+            "group_0": {"input_activations": dict(scheme), "weights": dict(scheme), "targets": ["Linear"]}
+        },
+        "ignore": list(exclude),
+        "quant_algo": "NVFP4",
+        "producer": producer,
+        "quant_method": "modelopt",
     }
     if quads:
         hf_quant["quads"] = quads
+        config["quads"] = quads
+    return hf_quant, config
+
+
+def read_model_config(src: str) -> dict:
+    """src/config.json as a dict ({} when absent); ConvertError when it is not a JSON object."""
+    path = os.path.join(src, "config.json")
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{path}: not readable JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise ConvertError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def write_quant_configs(model_config: dict, dst: str, exclude: list[str], quads: dict | None = None) -> None:
+    """hf_quant_config.json, and the model's config.json with quantization_config, into dst."""
+    hf_quant, quantization_config = quant_configs(exclude, quads)
     with open(os.path.join(dst, "hf_quant_config.json"), "w") as f:
         json.dump(hf_quant, f, indent=1)
-    cfg_path = os.path.join(src, "config.json")
-    config = {}
-    if os.path.exists(cfg_path):
-        with open(cfg_path) as f:
-            config = json.load(f)
-    config["quantization_config"] = {
-        "quant_method": "modelopt",
-        "quant_algo": "NVFP4",
-        "group_size": 16,
-        "kv_cache_quant_algo": None,
-        "ignore": exclude,
-        "producer": producer,
-    }
-    if quads:
-        config["quantization_config"]["quads"] = quads
     with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-
-
-def quads_extras(rollout: dict | None = None, rac_plans_file: str | None = None) -> dict:
-    """The ``quads`` block of the quantization configs: rollout settings (validated like the trainer's
-    YAML) and RAC plans from a safetensors file of int64 block indices named ``<moe prefix>.w13`` /
-    ``<moe prefix>.w2`` (e.g. ``model.layers.0.mlp.experts.w13``; see w4a4.RACCalibrator)."""
-    from quads_megatron.config import QuadsConfigError, load_config
-
-    out: dict = {}
-    if rollout:
-        try:
-            out["rollout"] = load_config({"rollout": rollout}).to_dict()["rollout"]
-        except QuadsConfigError as e:
-            raise ConvertError(f"quads rollout settings: {e}") from e
-    if rac_plans_file:
-        plans: dict[str, dict[str, list[int]]] = {}
-        for name, t in load_file(rac_plans_file).items():
-            prefix, _, gemm = name.rpartition(".")
-            if gemm not in ("w13", "w2") or t.dim() != 1 or t.is_floating_point():
-                raise ConvertError(f"{rac_plans_file}: {name} is not an int block list named <moe prefix>.w13|w2")
-            plans.setdefault(prefix, {})[gemm] = sorted(int(i) for i in t.tolist())
-        incomplete = sorted(p for p, g in plans.items() if set(g) != {"w13", "w2"})
-        if incomplete:
-            raise ConvertError(f"{rac_plans_file}: layers without both w13 and w2 plans: {incomplete[:4]}")
-        out["rac_plans"] = plans
-    return out
+        json.dump({**model_config, "quantization_config": quantization_config}, f, indent=1)
