@@ -4,6 +4,9 @@
   tiny Qwen3-MoE checkpoint into a real GPTModel (local spec), the library's megatron_to_hf maps it back
   bit for bit, live_sync's expert tensors equal `quads convert`'s, and the Megatron forward equals the HF
   transformers forward (architecture: QK norm, RoPE base, RMSNorm eps, renormalized top-k routing).
+* test_sync_stream_loads_into_sglang_qwen3_moe (CPU, CI): the sync's tensors (packed or BF16 experts)
+  leave SGLang's own Qwen3-MoE model (built on the CPU) exactly as loading the converted checkpoint of
+  the same weights does.
 * test_te_gpt_model_matches_hf (H200): the same with the Transformer Engine spec (TEGroupedMLP) in BF16.
 * test_live_sync_into_sglang_engine (H200): the TE GPTModel with QAT, an SGLang engine serving the
   `quads convert` output with quads_nvfp4 (dynamic RAC 50%, CUDA graphs); one optimizer step, a bucketed
@@ -17,6 +20,7 @@ import contextlib
 import os
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -132,6 +136,82 @@ def test_hf_megatron_mapping_round_trips(world, tmp_path, monkeypatch):
     diff = (lp_meg - lp_hf).abs()
     step("fp32 Megatron (local spec) vs transformers logprobs", bool(diff.max() < 2e-3), f"max |diff| {diff.max():.2e}")
     assert diff.max() < 2e-3, f"Megatron and HF disagree: max |logprob diff| {diff.max():.3e}"
+
+
+@pytest.fixture(scope="module")
+def sglang_cpu_model():
+    """SGLang's own Qwen3-MoE model on this CPU, built as tests/test_sglang_plugin.py builds it (its
+    build_model: gloo world, SGLang's loader); vLLM's rotary module stubbed when absent, as there."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU SGLang model; on a GPU the engine test syncs into a real engine")
+    plugin_tests = pytest.importorskip("test_sglang_plugin")
+    from quads_megatron.integrations import sglang as plug
+
+    added = []
+    try:
+        import vllm._custom_ops  # noqa: F401
+    except ImportError:
+        stub = types.ModuleType("vllm_rope_stub_for_cpu")
+        stub.rotary_embedding = None
+        for name, mod in (("vllm", types.ModuleType("vllm")), ("vllm._custom_ops", stub)):
+            sys.modules[name] = mod
+            added.append(name)
+    plug.register()
+    yield lambda path: plugin_tests.build_model(path)[1]
+    for name in added:
+        sys.modules.pop(name, None)
+
+
+def test_sync_stream_loads_into_sglang_qwen3_moe(world, tmp_path, sglang_cpu_model):
+    """What the live sync sends (megatron_to_hf BF16 non-expert tensors + packed NVFP4 experts, bucketed,
+    or BF16 experts the loader quantizes) leaves SGLang's Qwen3-MoE model bit for bit as loading the
+    `quads convert` output of the same weights does, every parameter written."""
+    import itertools
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from quads_megatron.integrations import sglang as plug
+
+    cfg = qwen3_moe_config(hidden=128, moe_inter=64, experts=4, topk=2, heads=4, kv_heads=2, head_dim=32, vocab=256)
+    src = write_checkpoint(tmp_path / "hf", cfg)
+    checkpoint.convert_hf(src, str(tmp_path / "nvfp4"), checkpoint.ConvertOptions(progress=False))
+    model = build_gpt_model(
+        cfg, spec="local", dtype=torch.bfloat16, device="cpu", moe_token_dispatcher_type="allgather"
+    )
+    load_hf_weights(model, load_hf_state(src), cfg)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # the trainer's new weights
+        for p in model.parameters():
+            p.mul_((1 + 0.3 * torch.rand(p.shape, generator=g)).to(p.dtype))
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    experts = cfg["num_experts"]
+
+    # expected: those weights as an HF checkpoint, converted, loaded by SGLang
+    new_hf = tmp_path / "hf_new"
+    new_hf.mkdir()
+    tensors = dict(hf_non_expert_weights(named, cfg)) | dict(hf_expert_weights_bf16(named, experts))
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(new_hf / "model.safetensors"), {"format": "pt"})
+    shutil.copy(os.path.join(src, "config.json"), new_hf / "config.json")
+    checkpoint.convert_hf(str(new_hf), str(tmp_path / "nvfp4_new"), checkpoint.ConvertOptions(progress=False))
+    want = dict(sglang_cpu_model(tmp_path / "nvfp4_new").named_parameters())
+
+    for packed in (True, False):
+        served = sglang_cpu_model(tmp_path / "nvfp4")  # serving the original weights
+        before = {n: p.detach().clone() for n, p in served.named_parameters()}
+        sent = (
+            checkpoint.megatron_expert_tensors(named, ep_rank=0, num_local_experts=experts)
+            if packed
+            else hf_expert_weights_bf16(named, experts)
+        )
+        for bucket in checkpoint.bucketed(itertools.chain(hf_non_expert_weights(named, cfg), sent), 1 << 16):
+            plug.load_weights(served, bucket)
+        got = dict(served.named_parameters())
+        assert set(got) == set(want)
+        for n, p in got.items():
+            assert same_bits(p, want[n]), f"{'packed' if packed else 'BF16'} sync: {n} differs"
+            if not n.endswith("input_scale"):  # dynamic activation scales: no input_scale is sent
+                assert not same_bits(p, before[n]), f"{n} was not written by the sync"
 
 
 # ----------------------------------------------------------------------------- TE spec (H200)
