@@ -5,7 +5,8 @@ loader, and helpers that read expected values straight from checkpoint tensors.
 Runs on CPU: the model is built by SGLang's own loader (gloo, world size 1). One stand-in: SGLang's
 rotary embedding imports a CUDA-only vLLM op at construction on a non-CUDA, non-CPU-engine platform;
 `vllm_rope_stub_for_cpu` provides that name (never called: no attention runs here). Test modules load
-it with ``pytest_plugins = ["sglang_env"]`` after importing sglang (importorskip).
+it with ``pytest_plugins = ["sglang_env"]`` after importing sglang (importorskip); it holds no asserts,
+hence PYTEST_DONT_REWRITE (it is imported before pytest registers it as a plugin).
 """
 
 import os
