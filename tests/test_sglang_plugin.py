@@ -1,11 +1,10 @@
-"""SGLang backend against the real sglang package: registration, config parsing, checkpoint loading
-into a real Qwen3-MoE model, the MoE forward, and in-place weight sync.
+"""quads_nvfp4 against the real sglang package: registration, version and device guards, the API shims
+for the supported SGLang versions, config parsing, checkpoint loading into a real Qwen3-MoE model, the
+MoE forward, and the method's refusals. The live weight sync is in test_sglang_weight_sync.py; the
+shared checkpoint/model environment in sglang_env.py.
 
-Runs on CPU: the model is built by SGLang's own loader (gloo, world size 1). What cannot run here:
-the CUDA-graph captured server and the Triton kernels at full size (benchmarks/device_run.sh runs
-the plugin's MoE method on the H200). One stand-in: SGLang's rotary embedding imports a CUDA-only
-vLLM op at construction on a non-CUDA, non-CPU-engine platform; `vllm_rope_stub_for_cpu` provides
-that name (never called: no attention runs here).
+What cannot run here: the CUDA-graph captured server and the Triton kernels at full size
+(benchmarks/device_run.sh runs the plugin's MoE method on the H200).
 """
 
 import json
@@ -21,150 +20,25 @@ if os.environ.get("QUADS_REQUIRE_SGLANG") == "1":
     import sglang  # noqa: F401  (CI: a missing sglang is a failure, not a skip)
 sglang = pytest.importorskip("sglang")
 
-from safetensors import safe_open  # noqa: E402
-
-from quads_megatron import checkpoint, nvfp4  # noqa: E402
-from quads_megatron.checkpoint import modelopt  # noqa: E402
+from quads_megatron import nvfp4  # noqa: E402
 from quads_megatron.config import RolloutConfig  # noqa: E402
 from quads_megatron.integrations import sglang as plug  # noqa: E402
 from quads_megatron.integrations.sglang import method as plug_method  # noqa: E402
-from quads_megatron.rollout.moe_block import ExpertWeights, moe_w4a4  # noqa: E402
+from quads_megatron.rollout.moe_block import moe_w4a4  # noqa: E402
+from sglang_env import (  # noqa: E402
+    INTER,
+    LAYERS,
+    E,
+    H,
+    build_model,
+    expected_experts,
+    experts_of,
+    model_config,
+    read_dir,
+    routing,
+)
 
-H, INTER, E, LAYERS, TOPK = 64, 32, 4, 2, 2
-QWEN3_MOE = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "model_type": "qwen3_moe",
-    "hidden_size": H,
-    "intermediate_size": 128,
-    "moe_intermediate_size": INTER,
-    "num_hidden_layers": LAYERS,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_experts": E,
-    "num_experts_per_tok": TOPK,
-    "vocab_size": 128,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "norm_topk_prob": True,
-    "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False,
-}
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """A tiny BF16 Qwen3-MoE written by transformers, and its `quads convert` output."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    root = tmp_path_factory.mktemp("sgl")
-    cfg = {k: v for k, v in QWEN3_MOE.items() if k not in ("architectures", "model_type")}
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)).to(torch.bfloat16)
-    with torch.no_grad():  # experts of different magnitudes (distinct global scales)
-        for name, p in model.named_parameters():
-            if ".experts." in name:
-                p.mul_(torch.linspace(1, 4, p.shape[0]).view(-1, *[1] * (p.dim() - 1)).to(p.dtype))
-    model.save_pretrained(root / "bf16", safe_serialization=True)
-    checkpoint.convert_hf(str(root / "bf16"), str(root / "nvfp4"), checkpoint.ConvertOptions(progress=False))
-    return root
-
-
-def read_dir(path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(os.listdir(path)):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(path, f), "pt") as s:
-                out.update({k: s.get_tensor(k) for k in s.keys()})
-    return out
-
-
-@pytest.fixture(scope="module")
-def sglang_runtime():
-    """SGLang's process-wide state for building models on this CPU (gloo, world size 1)."""
-    added = []
-    try:
-        import vllm._custom_ops  # noqa: F401
-    except ImportError:
-        stub = types.ModuleType("vllm_rope_stub_for_cpu")
-        stub.rotary_embedding = None
-        for name, mod in (("vllm", types.ModuleType("vllm")), ("vllm._custom_ops", stub)):
-            sys.modules[name] = mod
-            added.append(name)
-    plug.register()
-    yield
-    for name in added:
-        sys.modules.pop(name, None)
-
-
-_DIST = {}
-
-
-def build_model(path, quantization="quads_nvfp4"):
-    from sglang.srt.configs.device_config import DeviceConfig
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
-    from sglang.srt.model_loader import get_model
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.server_args import ServerArgs
-
-    sa = ServerArgs(model_path=str(path), device="cpu", quantization=quantization)
-    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0))
-    if not _DIST:
-        from helpers import free_port
-
-        init_distributed_environment(
-            backend="gloo",
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
-        )
-        initialize_model_parallel(backend="gloo")
-        _DIST["ok"] = True
-    mc = ModelConfig.from_server_args(sa)
-    return mc, get_model(model_config=mc, load_config=LoadConfig(), device_config=DeviceConfig("cpu"))
-
-
-def model_config(path, quantization):
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.server_args import ServerArgs
-
-    return ModelConfig.from_server_args(ServerArgs(model_path=str(path), device="cpu", quantization=quantization))
-
-
-def routing(t=7, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(t, H, generator=g) * torch.exp(torch.randn(H, generator=g))).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(t)])
-    return x, ids, torch.softmax(torch.randn(t, TOPK, generator=g), -1)
-
-
-def expected_experts(tensors, layer) -> ExpertWeights:
-    """Expert weights straight from ModelOpt tensors (not from the model's parameters)."""
-    p = f"model.layers.{layer}.mlp.experts"
-
-    def get(e, proj, kind):
-        return tensors[f"{p}.{e}.{proj}.{kind}"]
-
-    w13 = [torch.cat([get(e, "gate_proj", "weight"), get(e, "up_proj", "weight")]) for e in range(E)]
-    s13 = [torch.cat([get(e, "gate_proj", "weight_scale"), get(e, "up_proj", "weight_scale")]) for e in range(E)]
-    return ExpertWeights(
-        torch.stack(w13),
-        torch.stack(s13).view(torch.uint8),
-        torch.stack([get(e, "gate_proj", "weight_scale_2").reshape(()) for e in range(E)]).float(),
-        torch.stack([get(e, "down_proj", "weight") for e in range(E)]),
-        torch.stack([get(e, "down_proj", "weight_scale") for e in range(E)]).view(torch.uint8),
-        torch.stack([get(e, "down_proj", "weight_scale_2").reshape(()) for e in range(E)]).float(),
-    )
-
-
-def experts_of(model, layer):
-    return model.model.layers[layer].mlp.experts
+pytest_plugins = ["sglang_env"]
 
 
 # ----------------------------------------------------------------------------- registration and config
@@ -188,10 +62,17 @@ def test_entry_point_registers_once_and_first(sglang_runtime):
 
 
 def test_version_guard(monkeypatch):
-    assert plug.check_version("0.5.23") == "0.5.23"
-    for bad in ("0.5.9", "0.6.0", "1.0.0rc1"):
+    monkeypatch.delenv(plug_method.ALLOW_UNTESTED_ENV, raising=False)
+    for ok in ("0.5.17", "0.5.20", "0.5.23", "0.5.23.post1", "0.5.23+cu130"):
+        assert plug.check_version(ok) == ok
+    for bad in ("0.5.9", "0.5.16", "0.5.24", "0.6.0", "1.0.0rc1"):
         with pytest.raises(plug.QuadsSglangError, match="QUADS_ALLOW_UNTESTED_SGLANG"):
             plug.check_version(bad)
+    with pytest.raises(
+        plug.QuadsSglangError, match=r">= 0.5.17, < 0.5.24 \(tested: 0.5.23 \(CPU tests\) and 0.5.17 \(GPU"
+    ):
+        plug.check_version("0.5.16")
+    assert plug.check_version() == sglang.__version__  # the installed one is in range
     monkeypatch.setenv(plug_method.ALLOW_UNTESTED_ENV, "1")
     assert plug.check_version("0.6.0") == "0.6.0"
 
@@ -208,12 +89,12 @@ def test_config_parsing_and_errors(tmp_path, monkeypatch):
         "group_size": 16,
         "ignore": ["lm_head"],
         "quads": {
-            "rollout": {"activation_scale": "static", "rac": {"ratio": 0.25, "selection": "static"}},
+            "rollout": {"activation_scale": "static", "rac": {"ratio": 0.5, "selection": "static"}},
             "rac_plans": {"model.layers.0.mlp.experts": {"w13": [0, 2], "w2": [1]}},
         },
     }
     c = plug.QuadsNvfp4Config.from_config(flat)
-    assert c.rollout.activation_scale == "static" and c.rollout.rac.ratio == 0.25
+    assert c.rollout.activation_scale == "static" and c.rollout.rac.ratio == 0.5
     rac = c.layer_rac("model.layers.0.mlp.experts", H, INTER)
     assert rac.fc1.plan.blocks.tolist() == [0, 2] and rac.fc2.plan.blocks.tolist() == [1]
     with pytest.raises(plug.QuadsSglangError, match="no RAC plan for 'model.layers.1.mlp.experts'"):
@@ -236,7 +117,12 @@ def test_config_parsing_and_errors(tmp_path, monkeypatch):
     with pytest.raises(plug.QuadsSglangError, match="no 'quant_algo'"):
         plug.QuadsNvfp4Config.from_config({"weights": {}})
     bad_plan = dict(flat, quads={**flat["quads"], "rac_plans": {"model.layers.0.mlp.experts": {"w13": [9]}}})
-    with pytest.raises(plug.QuadsSglangError, match="bad RAC plan"):
+    with pytest.raises(plug.QuadsSglangError, match="'model.layers.0.mlp.experts' must have exactly w13 and w2"):
+        plug.QuadsNvfp4Config.from_config(bad_plan)
+    bad_plan = dict(
+        flat, quads={**flat["quads"], "rac_plans": {"model.layers.0.mlp.experts": {"w13": [9, 0], "w2": [1]}}}
+    )
+    with pytest.raises(plug.QuadsSglangError, match=r"bad RAC plan for 'model.layers.0.mlp.experts' w13 \(K=64\)"):
         plug.QuadsNvfp4Config.from_config(bad_plan).layer_rac("model.layers.0.mlp.experts", H, INTER)
 
 
@@ -266,12 +152,6 @@ def test_model_config_selects_the_method(checkpoints, sglang_runtime, tmp_path):
 
 
 # ----------------------------------------------------------------------------- loading and forward
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoints, sglang_runtime):
-    _, model = build_model(checkpoints / "nvfp4")
-    return model
 
 
 def test_checkpoint_loads_bit_for_bit_into_sglang(checkpoints, loaded):
@@ -325,93 +205,6 @@ def test_static_activation_scale_uses_the_checkpoint_input_scales(checkpoints, l
     assert torch.equal(moe(x, StandardTopKOutput(w, ids, torch.zeros(x.shape[0], E))), want)
     dynamic = moe_w4a4(x, ids, w, moe.quant_method.expert_weights(moe), moe.quant_method.rac, impl="reference")
     assert not torch.equal(want, dynamic)
-
-
-# ----------------------------------------------------------------------------- live weight sync
-
-
-def snapshot(model):
-    return {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters() if ".experts." in n}
-
-
-def perturbed_bf16(checkpoints, seed):
-    g = torch.Generator().manual_seed(seed)
-    src = read_dir(checkpoints / "bf16")
-    return {n: (t.float() * (1 + 0.3 * torch.rand(t.shape, generator=g))).bfloat16() for n, t in src.items()}
-
-
-def test_trainer_packed_weights_sync_in_place(checkpoints, loaded):
-    """The trainer's export (megatron_expert_tensors) -> load_weights: written in place, used at once."""
-    from sglang.srt.layers.moe.topk import StandardTopKOutput
-
-    new = perturbed_bf16(checkpoints, 1)
-    megatron = []
-    for layer in range(LAYERS):
-        for e in range(E):
-            p = f"model.layers.{layer}.mlp.experts.{e}"
-            fc1 = torch.cat([new[f"{p}.gate_proj.weight"], new[f"{p}.up_proj.weight"]])
-            megatron.append((f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc1.weight", fc1))
-            megatron.append(
-                (
-                    f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc2.weight",
-                    new[f"{p}.down_proj.weight"],
-                )
-            )
-    packed = dict(checkpoint.megatron_expert_tensors(megatron, num_local_experts=E))
-    before = snapshot(loaded)
-    for bucket in checkpoint.bucketed(packed.items(), bucket_bytes=1200):  # smaller than one gate+up pair
-        plug.load_weights(loaded, bucket)
-    after = snapshot(loaded)
-    assert all(after[n][0] == before[n][0] for n in before)  # same storage: CUDA graphs stay valid
-    assert any(not torch.equal(after[n][1], before[n][1]) for n in before)
-    x, ids, w = routing(seed=3)
-    for layer in range(LAYERS):
-        moe = experts_of(loaded, layer)
-        want = moe_w4a4(x, ids, w, expected_experts(packed, layer), moe.quant_method.rac, impl="reference")
-        assert torch.equal(moe(x, StandardTopKOutput(w, ids, torch.zeros(x.shape[0], E))), want)
-
-
-def test_bf16_sync_quantizes_with_the_contract(checkpoints, loaded):
-    new = perturbed_bf16(checkpoints, 2)
-    p = "model.layers.0.mlp.experts.2"
-    names = [f"{p}.gate_proj.weight", f"{p}.down_proj.weight", f"{p}.up_proj.weight"]
-    plug.load_weights(loaded, [(n, new[n]) for n in names])
-    got = experts_of(loaded, 0).quant_method.expert_weights(experts_of(loaded, 0))
-    gate, up = new[names[0]], new[names[2]]
-    assert got.expert(2, "w13").same_bits(
-        nvfp4.quantize(torch.cat([gate, up]), global_amax=nvfp4.shared_amax(gate, up))
-    )
-    assert got.expert(2, "w2").same_bits(nvfp4.quantize(new[names[1]]))
-
-
-def test_bad_updates_are_refused_and_nothing_is_written(checkpoints, loaded):
-    new = perturbed_bf16(checkpoints, 4)
-    p = "model.layers.1.mlp.experts.0"
-    good = dict(
-        modelopt.modelopt_tensors(
-            f"{p}.down_proj", modelopt.quantize_linear(new[f"{p}.down_proj.weight"], "d"), None
-        )
-    )
-    gate_q = modelopt.quantize_linear(new[f"{p}.gate_proj.weight"], "g")
-    gate = modelopt.modelopt_tensors(f"{p}.gate_proj", gate_q, None)
-    up = modelopt.modelopt_tensors(f"{p}.up_proj", modelopt.quantize_linear(new[f"{p}.up_proj.weight"], "u"), None)
-    nan = new["model.layers.1.self_attn.o_proj.weight"].clone()
-    nan[0, 0] = float("nan")
-    cases = {
-        "NaN/Inf": [*good.items(), ("model.layers.1.self_attn.o_proj.weight", nan)],
-        "differs from": [*good.items(), *gate.items(), *up.items()],  # gate/up quantized with separate amaxes
-        "send gate and up global scales together": [*good.items(), *gate.items()],
-        "same update": [*good.items(), (f"{p}.gate_proj.weight", new[f"{p}.gate_proj.weight"])],
-        "negative block scales": [
-            *good.items(),
-            (f"{p}.down_proj.weight_scale", -good[f"{p}.down_proj.weight_scale"].float()),
-        ],
-    }
-    before = {n: t.detach().clone() for n, t in loaded.state_dict().items()}
-    for msg, update in cases.items():
-        with pytest.raises(plug.QuadsSglangError, match=msg):
-            plug.load_weights(loaded, update)
-        assert all(torch.equal(before[n], t) for n, t in loaded.state_dict().items()), msg
 
 
 def test_quantized_dense_layers_and_static_rac_without_plans_are_refused(checkpoints, sglang_runtime, tmp_path):
@@ -469,3 +262,211 @@ def test_calibrated_rac_plans_travel_from_converter_to_the_server(checkpoints, s
     save_file({"model.layers.0.mlp.experts.w13": torch.tensor([0])}, str(bad))
     assert cli_main(["convert", str(checkpoints / "bf16"), str(tmp_path / "x"), "--rac-plans", str(bad)]) == 2
     assert not (tmp_path / "x").exists()
+
+
+# ----------------------------------------------------------------------------- device and SGLang versions
+
+
+def sm86_gpu_stand_in():
+    """An Ampere GPU's compute capability (no GPU exists on this CPU machine)."""
+    return (8, 6)
+
+
+def test_gpus_below_sm90_are_refused_with_the_reason(checkpoints, sglang_runtime, monkeypatch):
+    assert plug.QuadsNvfp4Config.get_min_capability() == 90
+    plug.check_device((9, 0))
+    plug.check_device((10, 0))
+    # SGLang builds the config (from_config) before its own capability check, whose message only
+    # names the numbers: ours is the one a user of an sm_86 GPU sees, and it says why
+    monkeypatch.setattr(plug_method, "_device_capability", sm86_gpu_stand_in)
+    with pytest.raises(
+        plug.QuadsSglangError, match=r"needs an sm_90 \(Hopper\) or newer GPU, this one is sm_86: .*FP8 e4m3.*wgmma"
+    ):
+        build_model(checkpoints / "nvfp4")
+
+
+def moe_runner_config_0_5_17(**overrides):
+    """MoeRunnerConfig as SGLang 0.5.17 defines it (its fields and defaults; no gemm1_beta, runner_backend,
+    no_combine_keep_router_weight, silu_mul_keep_fp32): 0.5.17 itself cannot be installed next to 0.5.23."""
+    fields = dict(
+        num_experts=None, num_local_experts=None, hidden_size=None, intermediate_size_per_partition=None,
+        layer_id=None, top_k=None, num_fused_shared_experts=None, params_dtype=None, routing_method_type=None,
+        activation="silu", is_gated=True, apply_router_weight_on_input=False, inplace=True, no_combine=False,
+        routed_scaling_factor=None, gemm1_alpha=None, gemm1_clamp_limit=None, swiglu_limit=None,
+        gate_up_interleaved=True, layer=None, use_tp_all_gather_activation=False,
+    )  # fmt: skip
+    return types.SimpleNamespace(**{**fields, **overrides})
+
+
+def test_compat_shims_take_both_api_shapes(sglang_runtime, monkeypatch):
+    # QUANTIZATION_CHOICES: sglang.srt.arg_groups.choices (0.5.23), sglang.srt.server_args (0.5.17)
+    from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
+    from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
+    from sglang.srt.server_args import QUANTIZATION_CHOICES as server_args_choices
+
+    from quads_megatron.integrations.sglang import compat
+
+    assert compat.quantization_choices() is QUANTIZATION_CHOICES
+    monkeypatch.setitem(sys.modules, "sglang.srt.arg_groups.choices", None)  # the 0.5.17 layout
+    assert compat.quantization_choices() is server_args_choices
+    plug.unregister()
+    assert plug.METHOD not in server_args_choices
+    plug.register()
+    assert server_args_choices.count(plug.METHOD) == 1
+    monkeypatch.delitem(sys.modules, "sglang.srt.arg_groups.choices")
+
+    # MoeRunnerConfig: 0.5.23's fields, and 0.5.17's (fewer) ones
+    assert compat.runner_config_unsupported(MoeRunnerConfig()) == []
+    assert compat.runner_config_unsupported(moe_runner_config_0_5_17()) == []
+    assert compat.runner_config_unsupported(MoeRunnerConfig(gemm1_beta=1.0)) == ["gemm1_beta"]
+    got = compat.runner_config_unsupported(moe_runner_config_0_5_17(activation="gelu", no_combine=True))
+    assert got == ["activation", "no_combine"]
+    method = plug.QuadsNvfp4MoEMethod(plug.QuadsNvfp4Config([], RolloutConfig()), "model.layers.0.mlp.experts")
+    with pytest.raises(plug.QuadsSglangError, match=r"experts: .*unsupported: \['gemm1_beta'\]"):
+        method.create_moe_runner(None, MoeRunnerConfig(gemm1_beta=1.0))
+    with pytest.raises(plug.QuadsSglangError, match=r"unsupported: \['no_combine'\]"):
+        method.create_moe_runner(None, moe_runner_config_0_5_17(no_combine=True))
+    method.create_moe_runner(None, moe_runner_config_0_5_17())
+
+
+def flashinfer_trtllm_server_stand_in():
+    """The runner backend a server started with --moe-runner-backend flashinfer_trtllm reports (such a
+    server cannot start on this CPU machine)."""
+    from sglang.srt.layers.moe.utils import MoeRunnerBackend
+
+    return MoeRunnerBackend.FLASHINFER_TRTLLM
+
+
+def deepep_server_stand_in():
+    """The all-to-all backend of a server started with --moe-a2a-backend deepep (GPU only)."""
+    from sglang.srt.layers.moe.utils import MoeA2ABackend
+
+    return MoeA2ABackend.DEEPEP
+
+
+def test_moe_backends_that_change_the_layout_or_dispatch_are_refused(checkpoints, sglang_runtime, monkeypatch):
+    """0.5.17 takes the loader's and dispatcher's layout from the server's MoE backends (0.5.23 asks the
+    method, which answers None), and both pad the intermediate size for flashinfer_trtllm before
+    create_weights: the method accepts the default runner only."""
+    import sglang.srt.layers.moe as moe
+
+    monkeypatch.setattr(moe, "get_moe_runner_backend", flashinfer_trtllm_server_stand_in)
+    with pytest.raises(
+        plug.QuadsSglangError, match="experts: .*--moe-runner-backend flashinfer_trtllm is not supported"
+    ):
+        build_model(checkpoints / "nvfp4")
+    monkeypatch.undo()
+    monkeypatch.setattr(moe, "get_moe_a2a_backend", deepep_server_stand_in)
+    with pytest.raises(plug.QuadsSglangError, match="--moe-a2a-backend deepep is not supported"):
+        build_model(checkpoints / "nvfp4")
+
+
+# ----------------------------------------------------------------------------- checkpoint and config siblings
+
+
+def variant(checkpoints, tmp_path, name, quads=None, tensors=None, drop=None):
+    """A copy of the converted checkpoint with a quads block in config.json, extra tensors, and without
+    the tensors whose names start with drop."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / name
+    shutil.copytree(checkpoints / "nvfp4", out)
+    if quads is not None:
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["quantization_config"]["quads"] = quads
+        (out / "config.json").write_text(json.dumps(cfg))
+    if tensors or drop:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        (file,) = set(index["weight_map"].values())
+        kept = {k: v for k, v in load_file(str(out / file)).items() if not (drop and k.startswith(drop))}
+        save_file({**kept, **(tensors or {})}, str(out / file), metadata={"format": "pt"})
+        index["weight_map"] = {k: file for k in {**kept, **(tensors or {})}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return out
+
+
+def test_experts_missing_from_the_checkpoint_are_refused(checkpoints, sglang_runtime, tmp_path):
+    ckpt = variant(checkpoints, tmp_path, "missing", drop="model.layers.1.mlp.experts.2.")
+    with pytest.raises(
+        plug.QuadsSglangError, match=r"layers.1.mlp.experts.w13_weight_scale: .*local experts \[2\] \(NaN: not in"
+    ):
+        build_model(ckpt)
+
+
+def input_scales(value_of):
+    """input_scale of every expert's gate, up and down: value_of(layer, expert, proj) -> float."""
+    return {
+        f"model.layers.{layer}.mlp.experts.{e}.{proj}.input_scale": torch.tensor(value_of(layer, e, proj))
+        for layer in range(LAYERS)
+        for e in range(E)
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    }
+
+
+def test_static_activation_scales_need_a_positive_input_scale_for_every_expert(checkpoints, sglang_runtime, tmp_path):
+    static = {"rollout": {"activation_scale": "static"}}
+    # the converter writes input_scale only from calibration (input_amax): without it, no static scale
+    with pytest.raises(plug.QuadsSglangError, match=r"layers.0.mlp.experts.w13_input_scale: .*static .*4 experts"):
+        build_model(variant(checkpoints, tmp_path, "none", static))
+    for name, bad in (("negative", -1e-3), ("nan", float("nan")), ("zero", 0.0)):
+        scales = input_scales(lambda layer, e, proj, bad=bad: bad if (layer, e) == (1, 2) else 1e-3)
+        with pytest.raises(
+            plug.QuadsSglangError, match=r"layers.1.mlp.experts.w13_input_scale: .*1 experts \(first: 2"
+        ):
+            build_model(variant(checkpoints, tmp_path, name, static, scales))
+    scales = input_scales(lambda layer, e, proj: 1e-3 * (e + 1))
+    _, model = build_model(variant(checkpoints, tmp_path, "good", static, scales))
+    assert float(experts_of(model, 1).w2_input_scale.max()) == pytest.approx(4e-3)
+    dynamic = variant(checkpoints, tmp_path, "dynamic", {"rollout": {"activation_scale": "dynamic"}})
+    build_model(dynamic)  # dynamic activation scales read no input_scale
+
+
+def layer_plans(w13, w2):
+    return {f"model.layers.{layer}.mlp.experts": {"w13": w13[layer], "w2": w2[layer]} for layer in range(LAYERS)}
+
+
+def test_static_rac_plans_must_fit_each_layer_and_the_rollout_ratio(checkpoints, sglang_runtime, tmp_path, monkeypatch):
+    monkeypatch.delenv(plug_method.CONFIG_ENV, raising=False)
+    rollout = {"rac": {"ratio": 0.25, "selection": "static"}}  # H=64 -> 1 block of fc1, INTER=32 -> 1 of fc2
+    ok = variant(checkpoints, tmp_path, "ok", {"rollout": rollout, "rac_plans": layer_plans([[0], [3]], [[1], [0]])})
+    _, model = build_model(ok)
+    assert experts_of(model, 1).quant_method.rac.fc1.plan.blocks.tolist() == [3]
+    out_of_range = {"rollout": rollout, "rac_plans": layer_plans([[0], [4]], [[1], [0]])}
+    with pytest.raises(
+        plug.QuadsSglangError, match=r"bad RAC plan for 'model.layers.1.mlp.experts' w13 \(K=64\): .*\[0, 4\)"
+    ) as err:
+        build_model(variant(checkpoints, tmp_path, "range", out_of_range))
+    assert "\n" not in str(err.value)
+    # QUADS_CONFIG overrides the rollout: a ratio the checkpoint's plans were not made for is refused ...
+    yml = tmp_path / "half.yaml"
+    yml.write_text("rollout:\n  rac: {ratio: 0.5, selection: static}\n")
+    monkeypatch.setenv(plug_method.CONFIG_ENV, str(yml))
+    with pytest.raises(
+        plug.QuadsSglangError,
+        match=rf"'model.layers.0.mlp.experts' w13 compensates 16 of K=64 .*0.5 \(QUADS_CONFIG={yml}\) asks for 32",
+    ):
+        build_model(ok)
+    # ... and so is static RAC on a checkpoint without plans, before any layer is built
+    with pytest.raises(plug.QuadsSglangError, match=rf"QUADS_CONFIG={yml} asks for static RAC .* has no RAC plans"):
+        build_model(checkpoints / "nvfp4")
+
+
+@pytest.mark.parametrize(
+    "plans, reason",
+    [
+        ([[0, 0], [1]], "unique non-negative"),
+        ([[-1], [1]], "unique non-negative"),
+        ([[True], [1]], "unique non-negative"),
+        ([[0.0], [1]], "unique non-negative"),
+        ([None, [1]], "unique non-negative"),
+    ],
+)
+def test_malformed_rac_plans_are_refused_when_the_config_is_read(plans, reason, monkeypatch):
+    monkeypatch.delenv(plug_method.CONFIG_ENV, raising=False)
+    w13, w2 = plans
+    cfg = {"quant_algo": "NVFP4", "quads": {"rac_plans": {"model.layers.0.mlp.experts": {"w13": w13, "w2": w2}}}}
+    with pytest.raises(plug.QuadsSglangError, match=rf"RAC plan 'model.layers.0.mlp.experts' w13 must be .*{reason}"):
+        plug.QuadsNvfp4Config.from_config(cfg)
+    cfg["quads"]["rac_plans"] = {"model.layers.0.mlp.experts": [[0], [1]]}
+    with pytest.raises(plug.QuadsSglangError, match="must have exactly w13 and w2 lists, got list"):
+        plug.QuadsNvfp4Config.from_config(cfg)

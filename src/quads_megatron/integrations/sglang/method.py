@@ -6,7 +6,8 @@ contract); this module maps SGLang's interfaces onto it.
 * register(): the ``sglang.srt.plugins`` entry point (declared in pyproject.toml, so every SGLang
   process loads it). Adds ``quads_nvfp4`` to QUANTIZATION_METHODS (first, so that its
   checkpoint override wins over ModelOpt's for ``--quantization quads_nvfp4``) and to the CLI
-  choices; idempotent; refuses untested SGLang versions unless QUADS_ALLOW_UNTESTED_SGLANG=1.
+  choices; idempotent; refuses SGLang outside SUPPORTED_RANGE unless QUADS_ALLOW_UNTESTED_SGLANG=1.
+  What differs between the supported SGLang versions is handled in compat.py.
 * QuadsNvfp4Config: reads ModelOpt NVFP4 configs (hf_quant_config.json or config.json
   quantization_config; exclude patterns) plus the optional ``quads`` block that quads convert
   writes (rollout settings, per-layer RAC plans). QUADS_CONFIG=<yaml> overrides the rollout part.
@@ -32,13 +33,20 @@ from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase, Quant
 from quads_megatron import nvfp4
 from quads_megatron.config import RACConfig, RolloutConfig, load_config
 from quads_megatron.errors import QuadsConfigError, QuadsSglangError, RACPlanError
+from quads_megatron.integrations.sglang import compat
 from quads_megatron.nvfp4 import BLOCK_SIZE
 from quads_megatron.rollout.moe_block import ExpertWeights, GemmRAC, LayerRAC, moe_w4a4
 from quads_megatron.rollout.rac_plan import RACPlan
 
 METHOD = "quads_nvfp4"
-#: SGLang versions this adapter was written and tested against: [0.5.23, 0.6)
-SUPPORTED_RANGE = ((0, 5, 23), (0, 6))
+#: SGLang versions this adapter supports, [0.5.17, 0.5.24): the CPU tests run 0.5.23 (the real package, a
+#: real Qwen3-MoE model); 0.5.17 is the newest SGLang for torch 2.11, the GPU engine's version on the H200.
+#: The adapter follows both versions' sources (compat.py); versions in between were not run, newer ones are
+#: refused because SGLang changes its MoE interfaces between patch releases (0.5.17 -> 0.5.23 did).
+SUPPORTED_RANGE = ((0, 5, 17), (0, 5, 24))
+TESTED = "0.5.23 (CPU tests) and 0.5.17 (GPU engine)"
+#: sm_90: the kernels convert FP8 e4m3 scales (sm_89+) and the fast GEMM is Hopper wgmma; tested on sm_90
+MIN_CAPABILITY = 90
 ALLOW_UNTESTED_ENV = "QUADS_ALLOW_UNTESTED_SGLANG"
 CONFIG_ENV = "QUADS_CONFIG"
 
@@ -61,36 +69,54 @@ def check_version(version: str | None = None) -> str:
     lo, hi = SUPPORTED_RANGE
     if not lo <= _version_tuple(version) < hi and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
         raise QuadsSglangError(
-            f"quads_nvfp4 supports sglang >= {'.'.join(map(str, lo))}, < {'.'.join(map(str, hi))}; "
-            f"found {version}. Set {ALLOW_UNTESTED_ENV}=1 to try it anyway."
+            f"quads_nvfp4 supports sglang >= {'.'.join(map(str, lo))}, < {'.'.join(map(str, hi))} (tested: "
+            f"{TESTED}); found {version}. Set {ALLOW_UNTESTED_ENV}=1 to try it anyway."
         )
     return version
+
+
+def _device_capability() -> tuple[int, int] | None:
+    """(major, minor) of the current CUDA device, None without one."""
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+def check_device(capability: tuple[int, int] | None = None) -> None:
+    """Refuse a CUDA GPU below MIN_CAPABILITY with the reason (SGLang's own check only names the
+    numbers). capability: (major, minor), default the current device; None (no CUDA) passes."""
+    cap = _device_capability() if capability is None else capability
+    if cap is None or cap[0] * 10 + cap[1] >= MIN_CAPABILITY:
+        return
+    raise QuadsSglangError(
+        f"quads_nvfp4 needs an sm_{MIN_CAPABILITY} (Hopper) or newer GPU, this one is sm_{cap[0]}{cap[1]}: its "
+        "kernels convert FP8 e4m3 block scales in hardware (sm_89+) and its GEMM uses Hopper wgmma; "
+        "it is tested on sm_90 only"
+    )
 
 
 def register() -> None:
     """Entry point of the ``sglang.srt.plugins`` group: make ``quads_nvfp4`` a quantization method."""
     check_version()
     from sglang.srt.layers import quantization as q
-    from sglang.srt.server_args import QUANTIZATION_CHOICES
 
+    choices = compat.quantization_choices()
     if q.QUANTIZATION_METHODS.get(METHOD) is not QuadsNvfp4Config:
         # first in the dict: ModelConfig asks every method to override the CLI choice, in order,
         # and ModelOpt's override would turn an NVFP4 checkpoint back into modelopt_fp4
         others = {k: v for k, v in q.QUANTIZATION_METHODS.items() if k != METHOD}
         q.QUANTIZATION_METHODS.clear()
         q.QUANTIZATION_METHODS.update({METHOD: QuadsNvfp4Config, **others})
-    if METHOD not in QUANTIZATION_CHOICES:  # add_quantization_method_choices is a bare extend
-        QUANTIZATION_CHOICES.append(METHOD)
+    if METHOD not in choices:  # add_quantization_method_choices is a bare extend
+        choices.append(METHOD)
 
 
 def unregister() -> None:
     """Undo register() (tests, or a process that must not serve quads_nvfp4)."""
     from sglang.srt.layers import quantization as q
-    from sglang.srt.server_args import QUANTIZATION_CHOICES
 
+    choices = compat.quantization_choices()
     q.QUANTIZATION_METHODS.pop(METHOD, None)
-    while METHOD in QUANTIZATION_CHOICES:
-        QUANTIZATION_CHOICES.remove(METHOD)
+    while METHOD in choices:
+        choices.remove(METHOD)
 
 
 # ----------------------------------------------------------------------------- config
@@ -123,17 +149,44 @@ def _is_nvfp4_modelopt(cfg: dict[str, Any] | None) -> bool:
         return False
 
 
-def _rollout_config(extras: dict[str, Any]) -> RolloutConfig:
-    """QUADS_CONFIG yaml's rollout section, else the checkpoint's, else dynamic RAC (no calibration)."""
+def _rollout_config(extras: dict[str, Any]) -> tuple[RolloutConfig, str]:
+    """(rollout, where it came from): QUADS_CONFIG yaml's rollout section, else the checkpoint's, else
+    dynamic RAC (no calibration)."""
     path = os.environ.get(CONFIG_ENV)
+    source = f"{CONFIG_ENV}={path}" if path else "checkpoint quads.rollout"
     try:
         if path:
-            return load_config(path).rollout
+            return load_config(path).rollout, source
         if "rollout" in extras:
-            return load_config({"rollout": extras["rollout"]}).rollout
+            return load_config({"rollout": extras["rollout"]}).rollout, source
     except QuadsConfigError as e:
-        raise QuadsSglangError(f"quads_nvfp4 rollout config ({path or 'checkpoint quads.rollout'}): {e}") from e
-    return RolloutConfig(rac=RACConfig(selection="dynamic"))
+        raise QuadsSglangError(f"quads_nvfp4 rollout config ({source}): {e}") from e
+    return RolloutConfig(rac=RACConfig(selection="dynamic")), "default"
+
+
+def _needs_plans(rollout: RolloutConfig) -> bool:
+    rac = rollout.rac
+    return rac.selection == "static" and rac.enabled and rac.ratio > 0
+
+
+def _check_plans(plans: Any) -> dict[str, dict[str, list[int]]]:
+    """quads.rac_plans is {MoE layer prefix: {"w13": [block, ...], "w2": [...]}} with unique
+    non-negative int blocks (their range is checked per layer, in layer_rac)."""
+    if not isinstance(plans, dict):
+        raise QuadsSglangError("quads_nvfp4: quads.rac_plans must map MoE layer prefixes to {w13, w2} block lists")
+    for prefix, plan in plans.items():
+        if not isinstance(plan, dict) or set(plan) != {"w13", "w2"}:
+            got = sorted(plan) if isinstance(plan, dict) else type(plan).__name__
+            raise QuadsSglangError(
+                f"quads_nvfp4: RAC plan for {prefix!r} must have exactly w13 and w2 lists, got {got}"
+            )
+        for gemm, blocks in plan.items():
+            ok = isinstance(blocks, list) and all(isinstance(b, int) and not isinstance(b, bool) for b in blocks)
+            if not ok or any(b < 0 for b in blocks) or len(set(blocks)) != len(blocks):
+                raise QuadsSglangError(
+                    f"quads_nvfp4: RAC plan {prefix!r} {gemm} must be a list of unique non-negative block indices"
+                )
+    return plans
 
 
 class QuadsNvfp4Config(QuantizationConfig):
@@ -144,11 +197,13 @@ class QuadsNvfp4Config(QuantizationConfig):
         exclude_modules: list[str],
         rollout: RolloutConfig,
         rac_plans: dict[str, dict[str, list[int]]] | None = None,
+        rollout_source: str = "default",
     ) -> None:
         super().__init__()
         self.exclude_modules = exclude_modules
         self.rollout = rollout
         self.rac_plans = rac_plans or {}
+        self.rollout_source = rollout_source
 
     @classmethod
     def get_name(cls) -> str:
@@ -160,7 +215,7 @@ class QuadsNvfp4Config(QuantizationConfig):
 
     @classmethod
     def get_min_capability(cls) -> int:
-        return 80  # fp16 tensor cores (mma.sync); tested on sm_90
+        return MIN_CAPABILITY  # why: check_device, which from_config runs first with a clear message
 
     @staticmethod
     def get_config_filenames() -> list[str]:
@@ -176,10 +231,15 @@ class QuadsNvfp4Config(QuantizationConfig):
             raise QuadsSglangError(f"quads_nvfp4 serves NVFP4 checkpoints; this one is quant_algo={algo!r}")
         if group != BLOCK_SIZE:
             raise QuadsSglangError(f"quads_nvfp4: NVFP4 group_size must be {BLOCK_SIZE}, got {group!r}")
-        plans = extras.get("rac_plans", {})
-        if not isinstance(plans, dict):
-            raise QuadsSglangError("quads_nvfp4: quads.rac_plans must map layer prefixes to {w13, w2} block lists")
-        return cls(exclude, _rollout_config(extras), plans)
+        check_device()
+        plans = _check_plans(extras.get("rac_plans", {}))
+        rollout, source = _rollout_config(extras)
+        if _needs_plans(rollout) and not plans:
+            raise QuadsSglangError(
+                f"quads_nvfp4: {source} asks for static RAC (rollout.rac.selection: static) but the checkpoint "
+                "has no RAC plans; calibrate and convert with --rac-plans, or set rollout.rac.selection: dynamic"
+            )
+        return cls(exclude, rollout, plans, source)
 
     @classmethod
     def override_quantization_method(cls, hf_quant_config: dict | None, user_quant: str | None) -> str | None:
@@ -217,29 +277,35 @@ class QuadsNvfp4Config(QuantizationConfig):
         return None
 
     def layer_rac(self, prefix: str, hidden: int, inter: int) -> LayerRAC:
-        """RAC of this MoE layer's fc1 (K = hidden) and fc2 (K = intermediate per partition)."""
+        """RAC of this MoE layer's fc1 (K = hidden) and fc2 (K = intermediate per partition). A static
+        plan must exist for the layer, fit K and compensate the channels the rollout ratio asks for."""
         rac = self.rollout.rac
         if rac.selection == "dynamic":
             return LayerRAC(
                 GemmRAC(dynamic_channels=rac.num_channels(hidden)), GemmRAC(dynamic_channels=rac.num_channels(inter))
             )
-        if not rac.enabled or rac.ratio == 0:
+        if not _needs_plans(self.rollout):
             return LayerRAC()
         plans = self.rac_plans.get(prefix)
         if plans is None:
             raise QuadsSglangError(
-                f"quads_nvfp4: rollout.rac.selection is static but the checkpoint has no RAC plan for {prefix!r}; "
-                "calibrate (examples/calibrate_rac.py) or set rollout.rac.selection: dynamic"
+                f"quads_nvfp4: rollout.rac.selection is static ({self.rollout_source}) but the checkpoint has no "
+                f"RAC plan for {prefix!r}; calibrate (examples/calibrate_rac.py) or set rollout.rac.selection: dynamic"
             )
-        try:
-            return LayerRAC(
-                GemmRAC(RACPlan(torch.tensor(plans["w13"], dtype=torch.long), hidden)),
-                GemmRAC(RACPlan(torch.tensor(plans["w2"], dtype=torch.long), inter)),
-            )
-        except (KeyError, RACPlanError) as e:
-            raise QuadsSglangError(
-                f"quads_nvfp4: bad RAC plan for {prefix!r} (hidden {hidden}, inter {inter}): {e}"
-            ) from e
+        gemms = []
+        for gemm, k in (("w13", hidden), ("w2", inter)):
+            try:
+                plan = RACPlan(torch.tensor(plans[gemm], dtype=torch.long), k)
+            except RACPlanError as e:
+                raise QuadsSglangError(f"quads_nvfp4: bad RAC plan for {prefix!r} {gemm} (K={k}): {e}") from e
+            if plan.num_channels != rac.num_channels(k):
+                raise QuadsSglangError(
+                    f"quads_nvfp4: RAC plan for {prefix!r} {gemm} compensates {plan.num_channels} of K={k} channels; "
+                    f"rollout.rac.ratio {rac.ratio} ({self.rollout_source}) asks for {rac.num_channels(k)}: "
+                    "calibrate for this ratio or use the ratio the plans were made for"
+                )
+            gemms.append(GemmRAC(plan))
+        return LayerRAC(*gemms)
 
 
 # ----------------------------------------------------------------------------- MoE method
@@ -265,6 +331,7 @@ class QuadsNvfp4MoEMethod(FusedMoEMethodBase):
         from sglang.srt.layers.moe.fused_moe_triton import FusedMoeWeightScaleSupported
         from sglang.srt.utils import set_weight_attrs
 
+        compat.check_moe_backends(self.prefix)
         h, i = hidden_size, intermediate_size_per_partition
         if h % BLOCK_SIZE or i % BLOCK_SIZE:
             raise QuadsSglangError(
@@ -281,38 +348,35 @@ class QuadsNvfp4MoEMethod(FusedMoEMethodBase):
             set_weight_attrs(p, {**extra_weight_attrs, **attrs})
 
         block, tensor = FusedMoeWeightScaleSupported.BLOCK.value, FusedMoeWeightScaleSupported.TENSOR.value
+        nan = float("nan")  # scales the checkpoint does not fill stay NaN: check_expert_params refuses them
         add("w13_weight", (e, 2 * i, h // 2), torch.uint8)
         add("w2_weight", (e, h, i // 2), torch.uint8)
-        add("w13_weight_scale", (e, 2 * i, h // BLOCK_SIZE), torch.float8_e4m3fn, quant_method=block)
-        add("w2_weight_scale", (e, h, i // BLOCK_SIZE), torch.float8_e4m3fn, quant_method=block)
-        add("w13_weight_scale_2", (e, 2), torch.float32, quant_method=tensor)
-        add("w2_weight_scale_2", (e,), torch.float32, quant_method=tensor)
-        # input scales are indexed by global expert (as ModelOpt's); used only for static activation scales
-        add("w13_input_scale", (layer.num_experts, 2), torch.float32, 1.0, _sglang_require_global_experts=True)
-        add("w2_input_scale", (layer.num_experts,), torch.float32, 1.0, _sglang_require_global_experts=True)
+        add("w13_weight_scale", (e, 2 * i, h // BLOCK_SIZE), torch.float8_e4m3fn, nan, quant_method=block)
+        add("w2_weight_scale", (e, h, i // BLOCK_SIZE), torch.float8_e4m3fn, nan, quant_method=block)
+        add("w13_weight_scale_2", (e, 2), torch.float32, nan, quant_method=tensor)
+        add("w2_weight_scale_2", (e,), torch.float32, nan, quant_method=tensor)
+        # input scales are indexed by global expert (as ModelOpt's); used only for static activation
+        # scales. 0 marks "not in the checkpoint" (a loaded ModelOpt input_scale is positive)
+        add("w13_input_scale", (layer.num_experts, 2), torch.float32, 0.0, _sglang_require_global_experts=True)
+        add("w2_input_scale", (layer.num_experts,), torch.float32, 0.0, _sglang_require_global_experts=True)
         self.rac = self.quant_config.layer_rac(self.prefix, h, i)
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config) -> None:
-        c = moe_runner_config
-        unsupported = {
-            "activation": c.activation != "silu",
-            "is_gated": not c.is_gated,
-            "apply_router_weight_on_input": c.apply_router_weight_on_input,
-            "gemm1_alpha": c.gemm1_alpha is not None,
-            "gemm1_clamp_limit": c.gemm1_clamp_limit is not None,
-            "swiglu_limit": c.swiglu_limit is not None,
-        }
-        bad = [k for k, v in unsupported.items() if v]
+        bad = compat.runner_config_unsupported(moe_runner_config)
         if bad:
-            raise QuadsSglangError(f"{self.prefix}: quads_nvfp4 runs gated SiLU experts only; unsupported: {bad}")
+            raise QuadsSglangError(
+                f"{self.prefix}: quads_nvfp4 runs gated SiLU experts with a combined output only; unsupported: {bad}"
+            )
         self.moe_runner_config = moe_runner_config
         self.runner = None
 
     def get_moe_runner_backend(self, layer: torch.nn.Module):
-        return None  # a direct kernel on standard top-k with local expert ids
+        return None  # a direct kernel on standard top-k with local expert ids (asked by 0.5.23 only)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         check_expert_params(layer, self.prefix)
+        if self.quant_config.rollout.activation_scale == "static":
+            check_input_scales(layer, self.prefix, self.quant_config.rollout_source)
         self.rac = self.rac.on(layer.w13_weight.device)  # plan masks on the device once
 
     def expert_weights(self, layer: torch.nn.Module) -> ExpertWeights:
@@ -364,18 +428,35 @@ class QuadsNvfp4MoEMethod(FusedMoEMethodBase):
 
 def check_expert_params(layer: torch.nn.Module, prefix: str = "") -> None:
     """Loaded expert tensors are servable: finite, non-negative block scales; positive global scales
-    shared by gate and up (the contract's shared amax; one S_dec per expert in the fc1 GEMM)."""
-    for name in ("w13_weight_scale", "w2_weight_scale"):
+    shared by gate and up (the contract's shared amax; one S_dec per expert in the fc1 GEMM). Scales
+    the checkpoint lacks are still NaN (create_weights) and refused here, naming the local expert."""
+    for name in ("w13_weight_scale", "w2_weight_scale", "w13_weight_scale_2", "w2_weight_scale_2"):
         s = getattr(layer, name).float()
-        if not torch.isfinite(s).all() or (s < 0).any():
-            raise QuadsSglangError(f"{prefix}.{name}: block scales must be finite and non-negative")
-    g13, g2 = layer.w13_weight_scale_2, layer.w2_weight_scale_2
-    for name, g in (("w13_weight_scale_2", g13), ("w2_weight_scale_2", g2)):
-        if not torch.isfinite(g).all() or (g <= 0).any():
-            raise QuadsSglangError(f"{prefix}.{name}: global scales must be finite and positive")
+        s = s.reshape(s.shape[0], -1)
+        ok = torch.isfinite(s) & ((s >= 0) if name.endswith("_scale") else (s > 0))
+        bad = torch.nonzero(~ok.all(dim=1)).flatten().tolist()
+        if bad:
+            what = "block scales must be finite and >= 0" if name.endswith("_scale") else "must be finite and > 0"
+            hint = " (NaN: not in the checkpoint?)" if bool(torch.isnan(s[bad]).any()) else ""
+            raise QuadsSglangError(f"{prefix}.{name}: {what}, not so for local experts {bad[:8]}{hint}")
+    g13 = layer.w13_weight_scale_2
     if not torch.equal(g13[:, 0], g13[:, 1]):
         bad = torch.nonzero(g13[:, 0] != g13[:, 1]).flatten().tolist()
         raise QuadsSglangError(
             f"{prefix}: gate and up weight_scale_2 differ for local experts {bad[:8]}; quads_nvfp4 needs the "
             "shared gate/up amax that `quads convert` and the trainer's export produce"
         )
+
+
+def check_input_scales(layer: torch.nn.Module, prefix: str = "", source: str = "") -> None:
+    """Static activation scales need a calibrated, finite, positive input_scale for every expert (the
+    checkpoint's; 0 = absent): the GEMMs quantize activations with the largest of them."""
+    for name in ("w13_input_scale", "w2_input_scale"):
+        s = getattr(layer, name).float().reshape(getattr(layer, name).shape[0], -1)
+        bad = torch.nonzero(~(torch.isfinite(s) & (s > 0)).all(dim=1)).flatten().tolist()
+        if bad:
+            raise QuadsSglangError(
+                f"{prefix}.{name}: rollout.activation_scale is static ({source or 'config'}) but {len(bad)} experts "
+                f"(first: {bad[0]}, value {s[bad[0]].tolist()}) have no finite positive input_scale; calibrate "
+                "(input_amax) and convert again, or set rollout.activation_scale: dynamic"
+            )
