@@ -9,6 +9,7 @@ it with ``pytest_plugins = ["sglang_env"]`` after importing sglang (importorskip
 hence PYTEST_DONT_REWRITE (it is imported before pytest registers it as a plugin).
 """
 
+import contextlib
 import os
 import sys
 import types
@@ -73,9 +74,10 @@ def read_dir(path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.fixture(scope="module")
-def sglang_runtime():
-    """SGLang's process-wide state for building models on this CPU (gloo, world size 1)."""
+@contextlib.contextmanager
+def cpu_runtime():
+    """SGLang's process-wide state for building models on this CPU (gloo, world size 1): the rotary
+    stand-in where vLLM is absent, and quads_nvfp4 registered."""
     added = []
     try:
         import vllm._custom_ops  # noqa: F401
@@ -86,9 +88,17 @@ def sglang_runtime():
             sys.modules[name] = mod
             added.append(name)
     plug.register()
-    yield
-    for name in added:
-        sys.modules.pop(name, None)
+    try:
+        yield
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def sglang_runtime():
+    with cpu_runtime():
+        yield
 
 
 _DIST = {}

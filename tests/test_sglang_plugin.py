@@ -260,7 +260,7 @@ def test_calibrated_rac_plans_travel_from_converter_to_the_server(checkpoints, s
     from safetensors.torch import save_file
 
     save_file({"model.layers.0.mlp.experts.w13": torch.tensor([0])}, str(bad))
-    assert cli_main(["convert", str(checkpoints / "bf16"), str(tmp_path / "x"), "--rac-plans", str(bad)]) == 2
+    assert cli_main(["convert", str(checkpoints / "bf16"), str(tmp_path / "x"), "--rac-plans", str(bad)]) == 3
     assert not (tmp_path / "x").exists()
 
 
@@ -364,9 +364,10 @@ def test_moe_backends_that_change_the_layout_or_dispatch_are_refused(checkpoints
 # ----------------------------------------------------------------------------- checkpoint and config siblings
 
 
-def variant(checkpoints, tmp_path, name, quads=None, tensors=None, drop=None):
+def variant(checkpoints, tmp_path, name, quads=None, tensors=None, drop=None, drop_suffix=None, calibrated=False):
     """A copy of the converted checkpoint with a quads block in config.json, extra tensors, and without
-    the tensors whose names start with drop."""
+    the tensors whose names start with drop (or end with drop_suffix); calibrated: its producer block says
+    the input scales are calibrated (as a conversion with --input-amax writes)."""
     from safetensors.torch import load_file, save_file
 
     out = tmp_path / name
@@ -375,10 +376,21 @@ def variant(checkpoints, tmp_path, name, quads=None, tensors=None, drop=None):
         cfg = json.loads((out / "config.json").read_text())
         cfg["quantization_config"]["quads"] = quads
         (out / "config.json").write_text(json.dumps(cfg))
-    if tensors or drop:
+    if drop_suffix or calibrated:
+        cfg = json.loads((out / "config.json").read_text())
+        if drop_suffix:
+            cfg["quantization_config"].pop("producer", None)
+        else:
+            cfg["quantization_config"]["producer"]["input_scale"] = "calibrated"
+        (out / "config.json").write_text(json.dumps(cfg))
+    if tensors or drop or drop_suffix:
         index = json.loads((out / "model.safetensors.index.json").read_text())
         (file,) = set(index["weight_map"].values())
-        kept = {k: v for k, v in load_file(str(out / file)).items() if not (drop and k.startswith(drop))}
+        kept = {
+            k: v
+            for k, v in load_file(str(out / file)).items()
+            if not (drop and k.startswith(drop)) and not (drop_suffix and k.endswith(drop_suffix))
+        }
         save_file({**kept, **(tensors or {})}, str(out / file), metadata={"format": "pt"})
         index["weight_map"] = {k: file for k in {**kept, **(tensors or {})}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -405,17 +417,21 @@ def input_scales(value_of):
 
 def test_static_activation_scales_need_a_positive_input_scale_for_every_expert(checkpoints, sglang_runtime, tmp_path):
     static = {"rollout": {"activation_scale": "static"}}
-    # the converter writes input_scale only from calibration (input_amax): without it, no static scale
-    with pytest.raises(plug.QuadsSglangError, match=r"layers.0.mlp.experts.w13_input_scale: .*static .*4 experts"):
+    # without input_amax the converter writes the default input_scale and says so in its producer block
+    with pytest.raises(plug.QuadsSglangError, match=r"static activation scales .* uncalibrated default"):
         build_model(variant(checkpoints, tmp_path, "none", static))
+    # a checkpoint without input_scale tensors at all (another producer): every expert is missing one
+    stripped = variant(checkpoints, tmp_path, "stripped", static, drop_suffix=".input_scale")
+    with pytest.raises(plug.QuadsSglangError, match=r"layers.0.mlp.experts.w13_input_scale: .*static .*4 experts"):
+        build_model(stripped)
     for name, bad in (("negative", -1e-3), ("nan", float("nan")), ("zero", 0.0)):
         scales = input_scales(lambda layer, e, proj, bad=bad: bad if (layer, e) == (1, 2) else 1e-3)
         with pytest.raises(
             plug.QuadsSglangError, match=r"layers.1.mlp.experts.w13_input_scale: .*1 experts \(first: 2"
         ):
-            build_model(variant(checkpoints, tmp_path, name, static, scales))
+            build_model(variant(checkpoints, tmp_path, name, static, scales, calibrated=True))
     scales = input_scales(lambda layer, e, proj: 1e-3 * (e + 1))
-    _, model = build_model(variant(checkpoints, tmp_path, "good", static, scales))
+    _, model = build_model(variant(checkpoints, tmp_path, "good", static, scales, calibrated=True))
     assert float(experts_of(model, 1).w2_input_scale.max()) == pytest.approx(4e-3)
     dynamic = variant(checkpoints, tmp_path, "dynamic", {"rollout": {"activation_scale": "dynamic"}})
     build_model(dynamic)  # dynamic activation scales read no input_scale

@@ -20,7 +20,6 @@ import contextlib
 import os
 import sys
 import time
-import types
 
 import pytest
 import torch
@@ -140,26 +139,15 @@ def test_hf_megatron_mapping_round_trips(world, tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def sglang_cpu_model():
-    """SGLang's own Qwen3-MoE model on this CPU, built as tests/test_sglang_plugin.py builds it (its
-    build_model: gloo world, SGLang's loader); vLLM's rotary module stubbed when absent, as there."""
+    """SGLang's own Qwen3-MoE model on this CPU, built by SGLang's loader as the CPU method tests build it
+    (tests/sglang_env.py: gloo world, the rotary stand-in `vllm_rope_stub_for_cpu`)."""
     if torch.cuda.is_available():
         pytest.skip("CPU SGLang model; on a GPU the engine test syncs into a real engine")
-    plugin_tests = pytest.importorskip("test_sglang_plugin")
-    from quads_megatron.integrations import sglang as plug
+    pytest.importorskip("sglang")
+    import sglang_env
 
-    added = []
-    try:
-        import vllm._custom_ops  # noqa: F401
-    except ImportError:
-        stub = types.ModuleType("vllm_rope_stub_for_cpu")
-        stub.rotary_embedding = None
-        for name, mod in (("vllm", types.ModuleType("vllm")), ("vllm._custom_ops", stub)):
-            sys.modules[name] = mod
-            added.append(name)
-    plug.register()
-    yield lambda path: plugin_tests.build_model(path)[1]
-    for name in added:
-        sys.modules.pop(name, None)
+    with sglang_env.cpu_runtime():
+        yield lambda path: sglang_env.build_model(path)[1]
 
 
 def test_sync_stream_loads_into_sglang_qwen3_moe(world, tmp_path, sglang_cpu_model):

@@ -218,7 +218,8 @@ def convert_megatron_dist(
                 weight_map.update({k: out_shard for k in out.done_keys(out_shard) or []})
                 progress.step(out_shard)
         out.write_index(weight_map)
-        write_quant_configs(model_config, out.partial, sorted(excluded_linears(names, targets)), opts.quads)
+        exclude = sorted(excluded_linears(names, targets))
+        write_quant_configs(model_config, out.partial, exclude, opts.quads, calibrated=bool(opts.input_amax))
         copy_side_files(base_hf, out.partial)
 
         def verify() -> None:  # re-read what was written against a fresh conversion (or base, for copied tensors)

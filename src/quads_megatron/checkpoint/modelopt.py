@@ -130,12 +130,15 @@ def excluded_linears(names: list[str], targets: dict[str, tuple[str, str]]) -> s
     return {n[: -len(".weight")] for n in names if n.endswith(".weight") and n not in targets}
 
 
-def quant_configs(exclude: list[str], quads: dict | None = None) -> tuple[dict, dict]:
+def quant_configs(exclude: list[str], quads: dict | None = None, calibrated: bool = False) -> tuple[dict, dict]:
     """(hf_quant_config.json, config.json quantization_config) for an NVFP4 checkpoint whose
     quantized linears are everything but ``exclude``; ``quads`` (rollout settings and RAC plans for
     the quads_nvfp4 method, ignored by stock loaders) is added to both when given. The KV cache is
-    not quantized: kv_cache_quant_algo is null and, as in ModelOpt's export, no kv_cache_scheme."""
+    not quantized: kv_cache_quant_algo is null and, as in ModelOpt's export, no kv_cache_scheme.
+    The producer records whether input_scale values are calibrated or UNCALIBRATED_INPUT_SCALE
+    (``"input_scale": "default"``), so a static-activation rollout can refuse the latter."""
     producer = {"name": "quads_megatron", "version": __version__}
+    producer["input_scale"] = "calibrated" if calibrated else "default"
     hf_quant: dict = {
         "producer": producer,
         "quantization": {
@@ -176,9 +179,11 @@ def read_model_config(src: str) -> dict:
     return config
 
 
-def write_quant_configs(model_config: dict, dst: str, exclude: list[str], quads: dict | None = None) -> None:
+def write_quant_configs(
+    model_config: dict, dst: str, exclude: list[str], quads: dict | None = None, calibrated: bool = False
+) -> None:
     """hf_quant_config.json, and the model's config.json with quantization_config, into dst."""
-    hf_quant, quantization_config = quant_configs(exclude, quads)
+    hf_quant, quantization_config = quant_configs(exclude, quads, calibrated)
     with open(os.path.join(dst, "hf_quant_config.json"), "w") as f:
         json.dump(hf_quant, f, indent=1)
     with open(os.path.join(dst, "config.json"), "w") as f:

@@ -239,6 +239,18 @@ class QuadsNvfp4Config(QuantizationConfig):
                 f"quads_nvfp4: {source} asks for static RAC (rollout.rac.selection: static) but the checkpoint "
                 "has no RAC plans; calibrate and convert with --rac-plans, or set rollout.rac.selection: dynamic"
             )
+        producer = config.get("producer")
+        if (
+            rollout.activation_scale == "static"
+            and isinstance(producer, dict)
+            and producer.get("name") == "quads_megatron"
+            and producer.get("input_scale") == "default"
+        ):
+            raise QuadsSglangError(
+                f"quads_nvfp4: {source} asks for static activation scales (rollout.activation_scale: static) but "
+                "the checkpoint's input_scale values are the uncalibrated default (converted without --input-amax); "
+                "calibrate and convert with --input-amax, or set rollout.activation_scale: dynamic"
+            )
         return cls(exclude, rollout, plans, source)
 
     @classmethod
