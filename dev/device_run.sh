@@ -7,11 +7,10 @@ set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-# the installed layout (quads_megatron/{kernels,patches}) as a plain directory: the device's offline pip
-# cannot be relied on for an editable install with package-dir mappings
+# the package as a plain directory (src/quads_megatron, its kernels' configs/*.json included): the
+# device's offline pip cannot be relied on for an install
 R=$PWD P=/tmp/quads_pkg
-rm -rf $P && mkdir -p $P && cp -r quads_megatron $P/ && cp -r kernels $P/quads_megatron/kernels \
-  && cp -r patches $P/quads_megatron/patches && cp -r benchmarks $P/benchmarks || exit 1
+rm -rf $P && mkdir -p $P && cp -r src/quads_megatron $P/ && cp -r benchmarks $P/benchmarks || exit 1
 export PYTHONPATH=$P:/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import megatron.core, torch, triton; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__, 'triton', triton.__version__)"
