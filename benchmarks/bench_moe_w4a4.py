@@ -20,12 +20,15 @@ import platform
 import re
 
 import torch
+import triton
+import triton.language as tl
 
-from quads_megatron.kernels import nvfp4_quant
-from quads_megatron.kernels import w4a4_grouped as kg
+from quads_megatron.kernels import act_quant, gemm_triton, nvfp4_quant, row_tiles, tile_configs
+from quads_megatron.kernels.fp4_device import load_decoded
+from quads_megatron.kernels.tile_configs import TritonGemmConfig
 
 try:
-    from quads_megatron.kernels import w4a4_wgmma as wg
+    from quads_megatron.kernels import gemm_wgmma_launch as wg
 except ImportError:  # a Triton without Gluon's Hopper API: the table leaves its columns out
     wg = None
 
@@ -39,7 +42,7 @@ from quads_megatron.rollout import (
 
 E, HIDDEN, INTER, TOPK = 128, 2048, 768, 8
 PAIRED_ROUNDS = 5
-CONFIGS = [  # (BM, BN, BK, warps, stages); gemm_config's defaults come from benchmarks/probe_gemm_tiles.py
+CONFIGS = [  # (BM, BN, BK, warps, stages); the shipped tiles (configs/triton_gemm.json) from dev/probe_gemm_tiles.py
     (16, 64, 256, 4, 3),
     (16, 128, 256, 4, 3),
     (16, 256, 128, 4, 2),
@@ -49,6 +52,33 @@ CONFIGS = [  # (BM, BN, BK, warps, stages); gemm_config's defaults come from ben
     (128, 128, 128, 8, 2),
     (128, 256, 64, 8, 4),
 ]
+
+
+@triton.jit
+def _decode_probe(c_ptr, s_ptr, lo_ptr, hi_ptr, BR: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
+    rows = tl.arange(0, BR).to(tl.int64)
+    lo, hi = load_decoded(c_ptr, s_ptr, rows, rows < BR, 0, BK, BR, BK, USE_ASM)
+    offs = rows[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :]
+    tl.store(lo_ptr + offs, lo.to(tl.float32))
+    tl.store(hi_ptr + offs, hi.to(tl.float32))
+
+
+def check_tile_decode(device: str | torch.device = "cuda", use_asm: bool = True) -> bool:
+    """The GEMMs' in-register decode (fp4_device.load_decoded) against the contract: value * s_b * 2^-7
+    for all 256 code bytes x 127 finite E4M3 scales, bit for bit (use_asm: the PTX decode, on a GPU).
+    tests/test_w4a4_rac.py holds the CPU twin of this check (the benchmark cannot import tests/)."""
+    scales = torch.arange(128, dtype=torch.uint8, device=device).clamp(max=126).reshape(128, 1).repeat(1, 16)
+    ok = True
+    for half in (0, 1):
+        codes = torch.arange(128 * half, 128 * half + 128, dtype=torch.uint8, device=device).reshape(1, 128)
+        codes = codes.repeat(128, 1).contiguous()
+        lo = torch.empty(128, 128, device=device)
+        hi = torch.empty(128, 128, device=device)
+        _decode_probe[(1,)](codes, scales.contiguous(), lo, hi, BR=128, BK=256, USE_ASM=use_asm)
+        one = torch.tensor(1.0, device=device)
+        want = nvfp4.dequantize(nvfp4.NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), one)) / 128
+        ok &= torch.equal(lo, want[:, 0::2]) and torch.equal(hi, want[:, 1::2])
+    return bool(ok)
 
 
 def bench(fn, pdl: bool = True) -> float:
@@ -114,16 +144,16 @@ def checks(log) -> dict:
     ok = True
     for p in (None, plan):
         for amax in (None, torch.tensor(20.0, device="cuda")):
-            a, b = reference.quantize_activation(x, p, amax), kg.quantize_activation(x, p, amax)
+            a, b = reference.quantize_activation(x, p, amax), act_quant.quantize_activation(x, p, amax)
             ok &= a.x.same_bits(b.x) and (p is None or a.residual.same_bits(b.residual))
     res["triton_act_rac_quant_bit_identical_gpu"] = bool(ok)
     a, b = (
         reference.quantize_activation(x, dynamic_channels=HIDDEN // 2),
-        kg.quantize_activation(x, dynamic_channels=HIDDEN // 2),
+        act_quant.quantize_activation(x, dynamic_channels=HIDDEN // 2),
     )
     res["triton_dynamic_rac_quant_bit_identical_gpu"] = bool(a.x.same_bits(b.x) and a.residual.same_bits(b.residual))
     ws = [nvfp4.quantize(torch.randn(2 * INTER, HIDDEN, generator=g, device="cuda") * 0.02) for _ in range(E)]
-    wc, wsc, wsd = kg.stack_expert_weights(ws)
+    wc, wsc, wsd = gemm_triton.stack_expert_weights(ws)
     offs, _ = routing(64, g)
     xr = (
         torch.randn(int(offs[-1]), HIDDEN, generator=g, device="cuda")
@@ -131,9 +161,9 @@ def checks(log) -> dict:
     ).bfloat16()
     for p in (None, plan):
         ref = reference.grouped_w4a4_reference(xr, offs, ws, None if p is None else [p] * E)
-        qa = kg.quantize_activation(xr, p)
+        qa = act_quant.quantize_activation(xr, p)
         for cfg in CONFIGS:
-            y = kg.grouped_w4a4(
+            y = gemm_triton.grouped_w4a4(
                 qa,
                 offs,
                 wc,
@@ -141,23 +171,21 @@ def checks(log) -> dict:
                 wsd,
                 None if p is None else p.block_mask("cuda"),
                 out_dtype=torch.float32,
-                block_m=cfg[0],
-                block_n=cfg[1],
-                block_k=cfg[2],
-                num_warps=cfg[3],
-                num_stages=cfg[4],
+                config=TritonGemmConfig(*cfg),
             )
             err = ((y - ref).norm() / ref.norm()).item()
             key = f"gemm_max_rel_err_over_configs_{'rac25' if p is not None else 'w4a4'}"
             res[key] = max(res.get(key, 0.0), err)
-    # no RAC: exact products (fp32 order only); RAC folds A + R in fp16 (see kernels/w4a4_grouped.py)
+    # no RAC: exact products (fp32 order only); RAC folds A + R in fp16 (see kernels/gemm_triton.py)
     res["gemm_ok"] = (
         res["gemm_max_rel_err_over_configs_w4a4"] < 1e-5 and res["gemm_max_rel_err_over_configs_rac25"] < 2e-4
     )
-    res["ptx_decode_exact_all_codes_scales"] = kg.check_tile_decode("cuda", use_asm=True)
+    res["ptx_decode_exact_all_codes_scales"] = check_tile_decode("cuda", use_asm=True)
     # which MMA Triton chose for the GEMM: versionMajor 3 = Hopper wgmma, 2 = mma.sync
-    kg.grouped_w4a4(kg.activation_operand(xr), offs, wc, wsc, wsd, block_m=64, block_n=128)
-    res["mma_versions"] = sorted(set(re.findall(r"versionMajor = (\d)", kg.last_compiled().asm["ttgir"])))
+    gemm_triton.grouped_w4a4(
+        act_quant.activation_operand(xr), offs, wc, wsc, wsd, config=TritonGemmConfig(block_m=64, block_n=128)
+    )
+    res["mma_versions"] = sorted(set(re.findall(r"versionMajor = (\d)", gemm_triton.last_compiled().asm["ttgir"])))
     for k, v in res.items():
         log(f"check {k}: {v}")
     return res
@@ -194,7 +222,7 @@ def time_sizes(tokens_list, log) -> list[dict]:
     w8 = (w.float() / (w_amax / 448).unsqueeze(-1)).to(torch.float8_e4m3fn)
     w8_bt, sw8 = w8.transpose(-2, -1), (w_amax / 448).float()
     ws = [nvfp4.quantize(w[e]) for e in range(E)]
-    wc, wsc, wsd = kg.stack_expert_weights(ws)
+    wc, wsc, wsd = gemm_triton.stack_expert_weights(ws)
     del ws
     nvfp4_bytes = wc.numel() + wsc.numel() + wsd.numel() * 4
     results = []
@@ -218,18 +246,18 @@ def time_sizes(tokens_list, log) -> list[dict]:
             )
         except Exception as e:  # report, do not hide
             r["fp8_error"] = repr(e)[:200]
-        qa0 = kg.activation_operand(xt)
+        qa0 = act_quant.activation_operand(xt)
         best = None
         for cfg in CONFIGS:
             if (cfg[0] == 128 and rows < 4 * 1024) or (cfg[0] == 16 and rows > 64 * 1024):
                 continue
-            tiles = kg.row_tiles(offs, cfg[0], rows)  # made beforehand, as moe_w4a4 does (in the quant launch)
+            tiles = row_tiles.row_tiles(offs, cfg[0], rows)  # made beforehand, as moe_w4a4 does (in the quant launch)
             for asm in (True, False):
-                kw = dict(block_m=cfg[0], block_n=cfg[1], block_k=cfg[2], num_warps=cfg[3], num_stages=cfg[4])
+                kw = TritonGemmConfig(*cfg)
                 try:
                     t = bench(
-                        lambda kw=kw, asm=asm, tiles=tiles: kg.grouped_w4a4(
-                            qa0, offs, wc, wsc, wsd, use_asm=asm, a_rows=tok, tiles=tiles, **kw
+                        lambda kw=kw, asm=asm, tiles=tiles: gemm_triton.grouped_w4a4(
+                            qa0, offs, wc, wsc, wsd, config=kw, use_asm=asm, a_rows=tok, tiles=tiles
                         )
                     )
                 except Exception as e:
@@ -240,37 +268,37 @@ def time_sizes(tokens_list, log) -> list[dict]:
                 if best is None or t < best[0]:
                     best = (t, kw, asm)
         t_gemm, kw, asm = best
-        r["config"] = (
-            f"BM{kw['block_m']} BN{kw['block_n']} BK{kw['block_k']} w{kw['num_warps']} {'ptx' if asm else 'int-op'}"
-        )
+        r["config"] = f"BM{kw.block_m} BN{kw.block_n} BK{kw.block_k} w{kw.num_warps} {'ptx' if asm else 'int-op'}"
         r["w4a4_gemm_us"] = t_gemm
-        tiles_for = (offs, kw["block_m"], rows)
-        r["act_quant_us"] = bench(lambda: kg.activation_operand(xt, check=False, row_tiles=tiles_for))
+        tiles_for = (offs, kw.block_m, rows)
+        r["act_quant_us"] = bench(lambda: act_quant.activation_operand(xt, check=False, row_tiles=tiles_for))
 
         # as moe_w4a4 runs fc1: each token quantized once, the GEMM reads it through the row's token index;
         # the quantization's launch also writes the GEMM's row-tile table
         def w4a4_step(plan=None, mask=None, dynamic=0):
-            op = kg.activation_operand(
+            op = act_quant.activation_operand(
                 xt, plan, check=False, block_mask=mask, dynamic_channels=dynamic, row_tiles=tiles_for
             )
-            return kg.grouped_w4a4(op, offs, wc, wsc, wsd, use_asm=asm, a_rows=tok, tiles=op.tiles, **kw)
+            return gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, config=kw, use_asm=asm, a_rows=tok, tiles=op.tiles)
 
         def codes_step(plan=None, mask=None):  # FP4 codes to the GEMM, decoded per tile there
-            qa = kg.quantize_activation(xt, plan, check=False, block_mask=mask)
-            return kg.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, use_asm=asm, a_rows=tok, **kw)
+            qa = act_quant.quantize_activation(xt, plan, check=False, block_mask=mask)
+            return gemm_triton.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, config=kw, use_asm=asm, a_rows=tok)
 
         r["codes_path_total_us"] = bench(codes_step)
 
         r["w4a4_total_us"] = bench(w4a4_step)  # quant + GEMM in one graph
         r["w4a4_total_no_pdl_us"] = bench(w4a4_step, pdl=False)
         if wg is not None:  # the Gluon Hopper GEMM at its default tiles, operand in its order
-            wtiles_for = (offs, wg.wgmma_config(rows, 2 * INTER)["block_t"], rows)
-            perm = kg.activation_operand(xt, order="wgmma", row_tiles=wtiles_for)
+            wtiles_for = (offs, tile_configs.wgmma_config(rows, 2 * INTER, device="cuda").block_t, rows)
+            perm = act_quant.activation_operand(xt, order="wgmma", row_tiles=wtiles_for)
             y_w = wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, wc, wsc, wsd, torch.float32, tok)
-            y_t = kg.grouped_w4a4(qa0, offs, wc, wsc, wsd, out_dtype=torch.float32, use_asm=asm, a_rows=tok, **kw)
+            y_t = gemm_triton.grouped_w4a4(
+                qa0, offs, wc, wsc, wsd, out_dtype=torch.float32, config=kw, use_asm=asm, a_rows=tok
+            )
             r["wgmma_rel_err_vs_triton"] = ((y_w - y_t)[:rows].norm() / y_t[:rows].norm()).item()
             r["wgmma_quant_us"] = bench(
-                lambda: kg.activation_operand(xt, check=False, order="wgmma", row_tiles=wtiles_for)
+                lambda: act_quant.activation_operand(xt, check=False, order="wgmma", row_tiles=wtiles_for)
             )
             r["wgmma_gemm_us"] = bench(
                 lambda: wg.grouped_w4a4_wgmma(
@@ -279,7 +307,7 @@ def time_sizes(tokens_list, log) -> list[dict]:
             )
 
             def wgmma_step(plan=None, mask=None, dynamic=0):
-                op = kg.activation_operand(
+                op = act_quant.activation_operand(
                     xt,
                     plan,
                     check=False,
@@ -296,7 +324,8 @@ def time_sizes(tokens_list, log) -> list[dict]:
             r["wgmma_total_no_pdl_us"] = bench(wgmma_step, pdl=False)
             r["wgmma_vs_bf16"] = r["bf16_us"] / r["wgmma_total_us"]
         # what moe_w4a4(impl="auto") runs at this many rows on this GPU
-        r["auto_path"] = "wgmma" if "wgmma_total_us" in r and wg.faster_than_triton(rows) else "triton"
+        faster = tile_configs.wgmma_faster_than_triton(rows, "cuda")
+        r["auto_path"] = "wgmma" if "wgmma_total_us" in r and faster else "triton"
         on_wgmma = r["auto_path"] == "wgmma"
         auto_step = wgmma_step if on_wgmma else w4a4_step
         r["auto_total_us"] = r["wgmma_total_us" if on_wgmma else "w4a4_total_us"]
@@ -342,8 +371,8 @@ def time_moe_block(tokens_list, log) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(3)
     w13 = torch.randn(E, 2 * INTER, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(E, HIDDEN, INTER, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
-    q13 = kg.stack_expert_weights([nvfp4.quantize(w13[e]) for e in range(E)])
-    q2 = kg.stack_expert_weights([nvfp4.quantize(w2[e]) for e in range(E)])
+    q13 = gemm_triton.stack_expert_weights([nvfp4.quantize(w13[e]) for e in range(E)])
+    q2 = gemm_triton.stack_expert_weights([nvfp4.quantize(w2[e]) for e in range(E)])
     weights = moe.ExpertWeights(*q13, *q2)
     rows = []
     for tokens in tokens_list:
@@ -398,7 +427,7 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str, blocks: l
         "Peers: torch._grouped_mm (bf16) and torch._scaled_grouped_mm",
         "(FP8 rowwise, activation quant not timed). Ratios > 1 mean ours is faster. Roofline: 4.0 TB/s.",
         "All times are medians of CUDA-graph replays (launch overhead excluded) unless marked eager.",
-        "Gluon wgmma = kernels/w4a4_wgmma.py (decoded weights as wgmma's register operand, tokens as its N)",
+        "Gluon wgmma = kernels/gemm_wgmma.py (decoded weights as wgmma's register operand, tokens as its N)",
         "at its default tiles (wgmma_config: above 1024 rows its warp-specialized kernel with split consumers,",
         "persistent CTAs above 16384; rows past an expert zero-filled; half-width tiles for experts with few",
         "rows left), with the activation operand in its order;",
@@ -406,7 +435,7 @@ def markdown(res: list[dict], acc: list[dict], chk: dict, device: str, blocks: l
         "the GEMM's row-tile table (extra programs); 'gemm' = the GEMM alone with that table made beforehand.",
         "Kernels launch with programmatic dependent launch (kernels/pdl.py); 'no PDL' = the same without it.",
         "impl='auto' = what moe_w4a4 runs by default on this GPU: the Triton GEMM at <= 1024 grouped rows, the",
-        "Gluon GEMM above (w4a4_wgmma.faster_than_triton, set from the tile sweeps).",
+        "Gluon GEMM above (tile_configs.wgmma_faster_than_triton, set from the tile sweeps).",
         "",
         "Headline: fc1 as moe_w4a4(impl='auto') runs it (quant + GEMM, one graph). 'paired' = the bf16 ratio",
         f"measured again in {PAIRED_ROUNDS} rounds, peer and ours back to back, order alternating",

@@ -1,19 +1,27 @@
 """Device probe: activation-quant kernel (decoded operand; plain, static RAC 50% and dynamic RAC 50%)
 over rows per program and warps, against its HBM floor (input in + fp16 operand out at 3.3 TB/s).
 
-python dev/probe_act_quant_tiles.py [--rows 2048,16384,131072] [--order pairs|wgmma] [--gated]
+python dev/probe_act_quant_tiles.py [--rows 2048,16384,131072] [--order pairs|wgmma] [--gated] [--write-config]
 --gated: fc2's quantization (input [rows, 2I] = [gate | up], I = 768, SiLU(gate) * up quantized),
 otherwise fc1's ([rows, 2048]). (CUDA GPU; CUDA-graph replay timings)
+--write-config: the winning (block_m, num_warps) of each rule the probed rows and modes fall in into
+configs/act_quant.json under this GPU's name (dev/tile_writer.py; run once plain and once --gated).
 """
 
 import argparse
 import itertools
+import os
+import sys
 
 import torch
 import triton.testing
 
-from quads_megatron.kernels import w4a4_grouped as kg
+from quads_megatron.kernels import act_quant, tile_configs
+from quads_megatron.kernels.tile_configs import ActQuantConfig
 from quads_megatron.rollout import moe_block, rac_plan, reference
+
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+from tile_writer import write_config  # noqa: E402
 
 
 def t(fn) -> float:
@@ -25,10 +33,12 @@ def main() -> None:
     ap.add_argument("--rows", default="2048,16384,131072")
     ap.add_argument("--order", default="pairs", choices=["pairs", "wgmma"])
     ap.add_argument("--gated", action="store_true")
+    ap.add_argument("--write-config", action="store_true", help="write the winners into configs/act_quant.json")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     k = 768 if args.gated else 2048
     width = 2 * k if args.gated else k
+    runs = []  # (rule, (rows, mode), tile, us) for --write-config
     for rows in (int(r) for r in args.rows.split(",")):
         x = (
             torch.randn(rows, width, generator=g, device="cuda")
@@ -40,24 +50,28 @@ def main() -> None:
         modes = {"plain": {}, "static50": dict(plan=plan, block_mask=mask), "dyn50": dict(dynamic_channels=k // 2)}
         floor = rows * (width * 2 + k * 2) / 3.3e12 * 1e6
 
-        def run(mode, **tile):
+        def run(mode, config=None):
             return t(
-                lambda: kg.activation_operand(x, check=False, order=args.order, gated=args.gated, **modes[mode], **tile)
+                lambda: act_quant.activation_operand(
+                    x, check=False, order=args.order, gated=args.gated, config=config, **modes[mode]
+                )
             )
 
         for mode in modes:
+            rule = tile_configs.match_rule("act_quant", "cuda", rows=rows, rac=mode != "plain", gated=args.gated)[0]
             res = []
             for bm, nw in itertools.product((1, 2, 4), (1, 2, 4, 8)):
                 try:
-                    res.append((run(mode, block_m=bm, num_warps=nw), bm, nw))
-                except Exception:
-                    pass
+                    us = run(mode, ActQuantConfig(block_m=bm, num_warps=nw))
+                except Exception:  # a tile that does not fit: left out
+                    continue
+                res.append((us, bm, nw))
+                runs.append((rule, (rows, mode), {"block_m": bm, "num_warps": nw}, us))
             best = sorted(res)[:3]
             top = [(f"bm{b} w{w}", round(u, 1)) for u, b, w in best]
-            print(
-                f"rows {rows} {mode}: floor {floor:.1f} us; launcher default {run(mode):.1f} us; best {top}",
-                flush=True,
-            )
+            print(f"rows {rows} {mode}: floor {floor:.1f} us; tuned {run(mode):.1f} us; best {top}", flush=True)
+    if args.write_config:
+        print("written:", write_config("act_quant", runs), flush=True)
 
 
 if __name__ == "__main__":

@@ -22,23 +22,26 @@ loader partition (rewritten source, as dev/probe_wgmma_costs.py does):
                             kept (with tma_store: only the partial tiles' stores);
   prefetch ...            - the loader L2-prefetches the activation rows (and code rows) of a later
                             k-step when it issues one (cp.async.bulk.prefetch.L2, one row per thread).
-and torch._grouped_mm (bf16) on the same rows; --baseline FILE: also an earlier copy of the kernel module.
+and torch._grouped_mm (bf16) on the same rows; --baseline FILE: also an earlier copy of the kernel's device
+code (gemm_wgmma.py), launched by the current launcher. python dev/probe_wgmma_costs.py --self-check also
+checks this probe's rewrites.
 The variants compute garbage; only their times mean anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
 
 import torch
 
-from quads_megatron.kernels import w4a4_grouped as kg
-from quads_megatron.kernels import w4a4_wgmma as wg
+from quads_megatron.kernels import act_quant, tile_configs
+from quads_megatron.kernels import gemm_wgmma_launch as wg
 
-sys.path.append(os.path.dirname(__file__))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 import probe_wgmma_costs as costs  # noqa: E402
 from probe_wgmma_tiles import HIDDEN, INTER, bench, fc1_rows, fc1_weights  # noqa: E402
 
@@ -118,36 +121,38 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--variants", default="", help="only the variants whose name this regex finds")
-    ap.add_argument("--baseline", default="", help="also this file's copy of kernels/w4a4_wgmma.py (A/B)")
+    ap.add_argument("--baseline", default="", help="also this file's copy of kernels/gemm_wgmma.py (A/B)")
     ap.add_argument("--cfg", default="", help="also the full kernel with these tile overrides: k=v,k=v;k=v")
     args = ap.parse_args()
     costs.VARIANTS.update(VARIANTS)
     mods = {"full": wg, **{name: costs.variant(name) for name in VARIANTS if re.search(args.variants, name)}}
     if args.baseline:
-        mods["baseline"] = costs.load_source(args.baseline, "_probe_baseline")
+        mods["baseline"] = costs.load_variant(open(args.baseline).read(), open(wg.__file__).read(), "_probe_baseline")
     g = torch.Generator(device="cuda").manual_seed(0)
     w, (wc, wsc, wsd) = fc1_weights(g)
     w_bt = w.transpose(-2, -1)
     for tokens in (int(t) for t in args.tokens.split(",")):
         offs, tok, rows = fc1_rows(tokens, g)
         x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
-        perm = kg.activation_operand(x, order="wgmma")
-        cfg = wg.wgmma_config(rows, 2 * INTER)
+        perm = act_quant.activation_operand(x, order="wgmma")
+        cfg = tile_configs.wgmma_config(rows, 2 * INTER, device="cuda")
         gemm_args = (perm.values, perm.global_decode, offs, wc, wsc, wsd)
         out = []
-        y_full = wg.grouped_w4a4_wgmma(*gemm_args, a_rows=tok, **cfg)  # what A/B pairs must reproduce bit for bit
+        y_full = wg.grouped_w4a4_wgmma(*gemm_args, a_rows=tok, config=cfg)  # what A/B pairs must reproduce
         if args.baseline:
-            same = torch.equal(mods["baseline"].grouped_w4a4_wgmma(*gemm_args, a_rows=tok, **cfg), y_full)
+            same = torch.equal(mods["baseline"].grouped_w4a4_wgmma(*gemm_args, a_rows=tok, config=cfg), y_full)
             out.append(f"baseline bit-identical {same}")
         for name, mod in mods.items():
-            us = bench(lambda mod=mod: mod.grouped_w4a4_wgmma(*gemm_args, a_rows=tok, **cfg))
+            us = bench(lambda mod=mod: mod.grouped_w4a4_wgmma(*gemm_args, a_rows=tok, config=cfg))
             out.append(f"{name} {us:.1f}")
         for over in filter(None, args.cfg.split(";")):
             extra = {k: int(v) for k, v in (kv.split("=") for kv in over.split(","))}
-            try:
-                us = bench(lambda extra=extra: wg.grouped_w4a4_wgmma(*gemm_args, a_rows=tok, **{**cfg, **extra}))
+            try:  # (flags given as 0/1 become bools)
+                flags = {f.name for f in dataclasses.fields(cfg) if f.type in (bool, "bool")}
+                other = dataclasses.replace(cfg, **{k: bool(v) if k in flags else v for k, v in extra.items()})
+                us = bench(lambda other=other: wg.grouped_w4a4_wgmma(*gemm_args, a_rows=tok, config=other))
                 # tile changes that keep each sum's order (stores, staging, warpgroups) keep the bits
-                same = torch.equal(wg.grouped_w4a4_wgmma(*gemm_args, a_rows=tok, **{**cfg, **extra}), y_full)
+                same = torch.equal(wg.grouped_w4a4_wgmma(*gemm_args, a_rows=tok, config=other), y_full)
                 out.append(f"full {over} {us:.1f} (bit-identical to full: {same})")
             except Exception as e:  # e.g. a ring that does not fit in shared memory
                 out.append(f"full {over} failed ({type(e).__name__})")

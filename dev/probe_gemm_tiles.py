@@ -1,22 +1,33 @@
 """Device probe: grouped W4A4 GEMM tiles (BM, BN, BK, warps, stages) on the Qwen3-30B-A3B fc1 shape,
-per token count; prints the best tiles, the current gemm_config default, and a GPU check that the PTX
-decode and the integer-op decode give the same output bits on every probed tile.
+per token count; prints the best tiles, the shipped default (configs/triton_gemm.json), and a GPU check
+that the PTX decode and the integer-op decode give the same output bits on every probed tile.
 
-python dev/probe_gemm_tiles.py [--tokens 16,64,256,1024,4096,16384] [--budget-s 420]
+python dev/probe_gemm_tiles.py [--tokens 16,64,256,1024,4096,16384] [--budget-s 420] [--write-config]
 (CUDA GPU; CUDA-graph replay timings, decoded-operand path, no RAC)
+--write-config: the winning tile of each row bucket into configs/triton_gemm.json under this GPU's name
+(dev/tile_writer.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import sys
 import time
 
 import torch
 import triton.testing
 
 from quads_megatron import nvfp4
-from quads_megatron.kernels import w4a4_grouped as kg
+from quads_megatron.kernels import act_quant, gemm_triton, tile_configs
+from quads_megatron.kernels.tile_configs import TritonGemmConfig
+
+# the benchmark's GPU check of the GEMM's decode, and the writer of the data files
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+from bench_moe_w4a4 import check_tile_decode  # noqa: E402
+from tile_writer import write_config  # noqa: E402
 
 E, HIDDEN, INTER, TOPK = 128, 2048, 768, 8
 
@@ -41,14 +52,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="16,64,256,1024,4096,16384")
     ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--write-config", action="store_true", help="write the winners into configs/triton_gemm.json")
     args = ap.parse_args()
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
-    print("ptx decode exact (all codes x scales):", kg.check_tile_decode("cuda", use_asm=True), flush=True)
+    print("ptx decode exact (all codes x scales):", check_tile_decode("cuda", use_asm=True), flush=True)
     w = torch.randn(E, 2 * INTER, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
-    wc, wsc, wsd = kg.stack_expert_weights([nvfp4.quantize(w[e]) for e in range(E)])
+    wc, wsc, wsd = gemm_triton.stack_expert_weights([nvfp4.quantize(w[e]) for e in range(E)])
     del w
     same_bits = True
+    runs = []  # (rule, rows, tile, us) for --write-config
     for tokens in (int(t) for t in args.tokens.split(",")):
         ids = torch.randn(tokens, E, generator=g, device="cuda").topk(TOPK, dim=-1).indices.flatten()
         offs = torch.cumsum(torch.bincount(ids, minlength=E), 0).to(torch.int32)
@@ -57,26 +70,29 @@ def main() -> None:
             torch.randn(rows, HIDDEN, generator=g, device="cuda")
             * torch.exp(torch.randn(HIDDEN, generator=g, device="cuda"))
         ).bfloat16()
-        op = kg.activation_operand(x)
+        op = act_quant.activation_operand(x)
+        rule = tile_configs.match_rule("triton_gemm", "cuda", rows=rows)[0]
         res = []
         for bm, bn, bk, nw, ns in tiles(rows):
             if time.time() - t0 > args.budget_s:
-                print("budget spent; stopping the sweep", flush=True)
+                print("budget spent; sweep cut short", flush=True)
                 break
             kw = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+            cfg = TritonGemmConfig(**kw)
             try:
-                y = kg.grouped_w4a4(op, offs, wc, wsc, wsd, use_asm=True, **kw)
-                same_bits &= torch.equal(y, kg.grouped_w4a4(op, offs, wc, wsc, wsd, use_asm=False, **kw))
+                y = gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, config=cfg, use_asm=True)
+                same_bits &= torch.equal(y, gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, config=cfg, use_asm=False))
                 us = triton.testing.do_bench_cudagraph(
-                    lambda kw=kw: kg.grouped_w4a4(op, offs, wc, wsc, wsd, use_asm=True, **kw),
+                    lambda cfg=cfg: gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, config=cfg, use_asm=True),
                     rep=30,
                     return_mode="median",
                 )
                 res.append((us * 1e3, bm, bn, bk, nw, ns))
+                runs.append((rule, rows, kw, us * 1e3))
             except Exception as e:  # out of shared memory / registers: report and go on
                 print(f"tokens {tokens} tile {kw} failed: {repr(e)[:120]}", flush=True)
-        d = kg.gemm_config(rows, HIDDEN)
-        dk = (d["block_m"], d["block_n"], d["block_k"], d["num_warps"], d["num_stages"])
+        d = tile_configs.triton_gemm_config(rows, HIDDEN, "cuda")
+        dk = (d.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages)
         default = [r for r in res if r[1:] == dk]
         best = sorted(res)[:6]
         print(
@@ -86,6 +102,8 @@ def main() -> None:
             flush=True,
         )
     print("ptx and int-op decode give the same output bits on every tile:", same_bits, flush=True)
+    if args.write_config:
+        print("written:", write_config("triton_gemm", runs), flush=True)
 
 
 if __name__ == "__main__":

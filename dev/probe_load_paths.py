@@ -3,8 +3,8 @@
 python dev/probe_load_paths.py [--sets decode,prefill]
 (CUDA GPU; CUDA-graph replay medians)
 
-The warp-specialized GEMM (kernels/w4a4_wgmma.py) spends most of its time in its load path
-(dev/NOTES.md). This probe isolates it: a loader partition copies per k-step a [BNW rows, CB
+The warp-specialized GEMM (kernels/gemm_wgmma.py) spends most of its time in its load path
+(docs/kernel-notes.md). This probe isolates it: a loader partition copies per k-step a [BNW rows, CB
 bytes] tile of the NVFP4 codes (plus the scale bytes and BT activation rows of fp16 when asked)
 into a ring, the consumer warps only wait for each slot and free it. Nothing is computed.
 
@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-# the checkout last: an installed quads_megatron (its kernels/ mapped in) wins over the source tree
+# this directory, for the probes' shared setup
 sys.path.append(os.path.dirname(__file__))
 from probe_wgmma_tiles import HIDDEN, INTER, E, bench  # noqa: E402
 

@@ -1,12 +1,15 @@
-"""Device probe: where the warp-specialized Gluon GEMM's time goes (kernels/w4a4_wgmma.py).
+"""Device probe: where the warp-specialized Gluon GEMM's time goes (kernels/gemm_wgmma.py).
 
 python dev/probe_wgmma_costs.py [--tokens 256,4096,16384] [--shipped]
 (CUDA GPU; CUDA-graph replay medians; Qwen3-30B-A3B fc1, token-indexed rows as moe_w4a4 runs fc1)
+python dev/probe_wgmma_costs.py --self-check
+(any machine: every rewrite of this probe and of dev/probe_act_traffic.py still finds its text in the
+kernel's source as often as it expects, and the rewritten modules load; run it after changing the kernel)
 
-Times the kernel at its wgmma_config tiles (consumers unsplit, rows past the expert read from row 0,
-no narrow tiles; below 1025 grouped rows the 256-token warp-specialized tile) next to four scratch
-variants of its partitions, made by rewriting the module's source (so they always follow the shipped
-kernel; a rewrite that no longer matches raises):
+Times the kernel at its tuned tiles (consumers unsplit (two warpgroups), rows past the expert read from
+row 0, no narrow tiles or TMA stores; below 1025 grouped rows the 256-token warp-specialized tile) next
+to four scratch variants of its partitions, made by rewriting the source of gemm_wgmma.py and
+gemm_wgmma_launch.py (so they always follow the shipped kernel; a rewrite that no longer matches raises):
   loads only  - the consumers wait for each slot and free it: the loader partition's own speed;
   no loads    - the loader arms each slot without copying (the consumers compute on stale shared
                 memory): the consumer partition's own speed;
@@ -27,19 +30,20 @@ The variants compute garbage; only their times mean anything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
+import re
 import sys
 import tempfile
 
 import torch
 import triton
 
-from quads_megatron.kernels import w4a4_grouped as kg
-from quads_megatron.kernels import w4a4_wgmma as wg
+from quads_megatron.kernels import act_quant, gemm_wgmma, row_tiles, tile_configs
+from quads_megatron.kernels import gemm_wgmma_launch as wg
 
-# the checkout last: an installed quads_megatron (its kernels/ mapped in) wins over the source tree
-sys.path.append(os.path.dirname(__file__))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 from probe_wgmma_tiles import HIDDEN, INTER, bench, fc1_rows, fc1_weights  # noqa: E402
 
 FENCE = """        hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
@@ -75,7 +79,7 @@ LOOKUP = "    return gl.load(tmap_ptr + pid * 4), gl.load(tmap_ptr + pid * 4 + 1
 FIXED = "    return pid % 128, (pid % 128) * 16, (pid % 128) * 16 + 16  # probe: 128 experts x 16 rows, no lookup\n"
 BOUND = "gl.load(tmap_ptr + 3) * n_tiles"
 B_LAYOUT = "gl.NVMMASharedLayout.get_default_for([BT, 128], gl.float16)"
-GRID = "_sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub"
+GRID = "_sm_count(dev) * cfg.ctas_per_sm) if cfg.ctas_per_sm else tiles_ub"
 LOADER_REGS = "loader_regs = ws_loader_regs(block_t, loader_warps, chunks, ROWS_PER_WARPGROUP * num_warps // 4)"
 FIXED_TILES = [
     (FENCE + STEP, ""),
@@ -91,7 +95,7 @@ VARIANTS = {
     # ... and a grid of exactly those 1536 tiles (the host launches the row-tile bound: 768 more, empty)
     "loads only, no epilogue, fixed tiles, exact grid": [
         *FIXED_TILES,
-        (GRID, "_sm_count(dev) * ctas_per_sm) if ctas_per_sm else 128 * grid[0]"),
+        (GRID, "_sm_count(dev) * cfg.ctas_per_sm) if cfg.ctas_per_sm else 128 * grid[0]"),
     ],
     # ... and the load probe's loader register budget (dev/probe_load_paths.py: 88)
     "loads only, no epilogue, fixed tiles, loader regs 88": [*FIXED_TILES, (LOADER_REGS, "loader_regs = 88")],
@@ -132,22 +136,45 @@ VARIANTS = {
 VARIANTS["no loads, no decode"] = VARIANTS["no loads"] + VARIANTS["no decode"]
 
 
-def variant(name: str):
-    """The w4a4_wgmma module with its consumer partition rewritten as VARIANTS[name]."""
-    src = open(wg.__file__).read()
+DEVICE_IMPORT = "from quads_megatron.kernels.gemm_wgmma import ("  # the launcher's import of the device code
+
+
+def rewrite(name: str, device_src: str | None = None) -> tuple[str, str]:
+    """(device source, launcher source) of the Gluon GEMM with VARIANTS[name]'s rewrites applied to both;
+    each rewrite's text must occur as often as it says (1 unless given) in the two together."""
+    dev = open(gemm_wgmma.__file__).read() if device_src is None else device_src
+    host = open(wg.__file__).read()
     for old, new, *count in VARIANTS[name]:  # (text, replacement[, how many times it must occur: 1])
-        if src.count(old) != (count[0] if count else 1):
-            raise RuntimeError(f"{name}: the kernel no longer matches this probe's rewrite")
-        src = src.replace(old, new)
+        if dev.count(old) + host.count(old) != (count[0] if count else 1):
+            raise RuntimeError(f"{name}: the kernel no longer matches this probe's rewrite of {old[:60]!r}")
+        dev, host = dev.replace(old, new), host.replace(old, new)
+    return dev, host
+
+
+def variant(name: str):
+    """The launcher module of a variant: VARIANTS[name]'s rewrites, its device code loaded beside it."""
+    return load_variant(*rewrite(name), "_probe_" + re.sub(r"\W+", "_", name))
+
+
+def load_variant(device_src: str, host_src: str, name: str):
+    """Load device code and a launcher that imports it (rewritten sources, or an earlier copy of the device
+    code for an A/B) as quads_megatron.kernels.<name>_device and .<name>; returns the launcher."""
+    if host_src.count(DEVICE_IMPORT) != 1:
+        raise RuntimeError("the launcher no longer imports its device code as this probe expects")
+    load_source(_write(device_src), f"{name}_device")
+    host_src = host_src.replace(DEVICE_IMPORT, f"from quads_megatron.kernels.{name}_device import (")
+    return load_source(_write(host_src), name)
+
+
+def _write(src: str) -> str:
     path = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False).name  # Gluon reads the source file
     with open(path, "w") as f:
         f.write(src)
-    return load_source(path, f"_probe_{name.replace(' ', '_')}")
+    return path
 
 
 def load_source(path: str, name: str):
-    """The kernel module from a source file (a rewritten variant, or an earlier copy for an A/B) as
-    quads_megatron.kernels.<name>."""
+    """A module from a source file as quads_megatron.kernels.<name>."""
     spec = importlib.util.spec_from_file_location(f"quads_megatron.kernels.{name}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -155,29 +182,54 @@ def load_source(path: str, name: str):
     return mod
 
 
+def self_check() -> bool:
+    """Every variant of this probe and of probe_act_traffic.py rewrites the current kernel and loads (no GPU)."""
+    import probe_act_traffic as traffic
+
+    ok = {"loads only", "no loads", "no decode", "no MMA"} <= set(VARIANTS)
+    for name, rewrites in {**traffic.VARIANTS, **VARIANTS}.items():
+        VARIANTS.setdefault(name, rewrites)
+        try:
+            mod = variant(name)
+            good = mod.__file__ != wg.__file__ and callable(mod.grouped_w4a4_wgmma)
+        except Exception as e:  # report every variant, then fail
+            good = False
+            print(f"{name}: {type(e).__name__}: {e}", flush=True)
+        print(f"{'ok  ' if good else 'FAIL'} {name}", flush=True)
+        ok &= good
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="256,4096,16384")
     ap.add_argument("--shipped", action="store_true", help="also at the shipped tiles (split, zero-filled)")
+    ap.add_argument("--self-check", action="store_true", help="only check that every rewrite still applies")
     args = ap.parse_args()
+    if args.self_check:
+        sys.exit(0 if self_check() else 1)
     mods = {"full": wg, **{name: variant(name) for name in VARIANTS}}
     g = torch.Generator(device="cuda").manual_seed(0)
     _, (wc, wsc, wsd) = fc1_weights(g)
     for tokens in (int(t) for t in args.tokens.split(",")):
         offs, tok, rows = fc1_rows(tokens, g)
-        perm = kg.activation_operand(torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16(), order="wgmma")
-        shipped = wg.wgmma_config(rows, 2 * INTER)  # as shipped: split consumers, zero-filled rows
-        cfg = {**shipped, "split": False, "mask_rows": False, "narrow": False}  # the variants rewrite the
-        # unsplit consumer; rows past the expert read from row 0 (the default zero-fills them: below); full tiles
-        if not cfg.get("loader_warps"):  # up to 1024 rows the default is the one-partition kernel
-            cfg.update(block_t=32, stages=3, chunks=2, loader_warps=4, maxnreg=80, ctas_per_sm=0)
+        x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
+        perm = act_quant.activation_operand(x, order="wgmma")
+        shipped = tile_configs.wgmma_config(rows, 2 * INTER, device="cuda")  # split consumers, zero-filled rows
+        # the variants rewrite the unsplit consumer (two warpgroups); rows past the expert read from row 0 (the
+        # default zero-fills them: below); full tiles, plain stores
+        cfg = dataclasses.replace(shipped, split=False, mask_rows=False, narrow=False, tma_store=False)
+        if cfg.num_warps == 12:
+            cfg = dataclasses.replace(cfg, num_warps=8)
+        if not cfg.loader_warps:  # up to 1024 rows the default is the one-partition kernel
+            cfg = dataclasses.replace(cfg, block_t=32, stages=3, chunks=2, loader_warps=4, maxnreg=80, ctas_per_sm=0)
         out = []
         for name, mod in mods.items():
             if "fixed tiles" in name and tokens != 256:  # FIXED is the 256-token workload's tiles
                 continue
             us = bench(
                 lambda mod=mod: mod.grouped_w4a4_wgmma(
-                    perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, **cfg
+                    perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, config=cfg
                 )
             )
             out.append(f"{name} {us:.1f}")
@@ -190,27 +242,34 @@ def main() -> None:
         ):
             us = bench(
                 lambda mod=mods[name], extra=extra: mod.grouped_w4a4_wgmma(
-                    perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, **{**cfg, **extra}
+                    perm.values,
+                    perm.global_decode,
+                    offs,
+                    wc,
+                    wsc,
+                    wsd,
+                    a_rows=tok,
+                    config=dataclasses.replace(cfg, **extra),
                 )
             )
             out.append(f"{name}, {label} {us:.1f}")
-        if shipped.get("loader_warps") and args.shipped:
+        if shipped.loader_warps and args.shipped:
             for name in ("loads only", "no loads", "no decode", "no MMA", "no loads, no decode"):
                 try:
                     us = bench(
                         lambda mod=mods[name]: mod.grouped_w4a4_wgmma(
-                            perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, **shipped
+                            perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, config=shipped
                         )
                     )
                     out.append(f"{name}, shipped tiles {us:.1f}")
                 except Exception as e:  # a rewrite that does not fit the split consumer
                     out.append(f"{name}, shipped tiles failed ({type(e).__name__})")
-        bt = cfg["block_t"]
+        bt = cfg.block_t
         tm = triton.cdiv(rows, bt) + offs.numel()
-        out.append(f"tile map alone {bench(lambda bt=bt, tm=tm: kg.tile_map(offs, bt, tm)):.1f}")
+        out.append(f"tile map alone {bench(lambda bt=bt, tm=tm: row_tiles.tile_map(offs, bt, tm)):.1f}")
         rows_op = perm.values[tok.long()].contiguous(), perm.global_decode.reshape(-1)[tok.long()].contiguous()
         for name in ("loads only",) + (("loads only, no epilogue, fixed tiles",) if tokens == 256 else ()):
-            us = bench(lambda name=name: mods[name].grouped_w4a4_wgmma(*rows_op, offs, wc, wsc, wsd, **cfg))
+            us = bench(lambda name=name: mods[name].grouped_w4a4_wgmma(*rows_op, offs, wc, wsc, wsd, config=cfg))
             out.append(f"{name}, contiguous rows {us:.1f}")
         if tokens == 256:  # the load probe's kernel (probe_load_paths.py) on this GEMM's codes and scales
             from probe_load_paths import stream
@@ -221,7 +280,7 @@ def main() -> None:
                 us = bench(lambda c=c: stream(c, scales, acts, "rows", 128, 128, True, 32, 3, 4, 0, 8, 80))
                 out.append(f"load probe (CB128 BT32 s3 w8 r80) on {data} codes {us:.1f}")
         keys = ("block_t", "num_warps", "stages", "chunks", "loader_warps", "maxnreg", "ctas_per_sm")
-        tiles = {k: cfg[k] for k in keys}
+        tiles = {k: getattr(cfg, k) for k in keys}
         print(f"tokens {tokens} rows {rows} {tiles}: " + " | ".join(out) + " us", flush=True)
 
 

@@ -1,16 +1,21 @@
-"""Device probe: tiles of the Gluon Hopper W4A4 GEMM (kernels/w4a4_wgmma.py) on the Qwen3-30B-A3B fc1
-shape, per token count, side by side with the Triton GEMM at its gemm_config default and the bf16 /
-FP8 peers; each tile is checked against the Triton GEMM (same exact products, other fp32 order).
+"""Device probe: tiles of the Gluon Hopper W4A4 GEMM (kernels/gemm_wgmma.py) on the Qwen3-30B-A3B fc1
+shape, per token count, side by side with the Triton GEMM at its tuned tiles and the bf16 / FP8 peers;
+each tile is checked against the Triton GEMM (same exact products, other fp32 order).
 
 python dev/probe_wgmma_tiles.py [--tokens 16,64,256,1024,4096,16384] [--budget-s 300] [--match REGEX]
-    [--mask-rows] [--narrow]
+    [--mask-rows] [--narrow] [--write-config]
 (CUDA GPU; CUDA-graph replay medians; token-indexed rows as moe_w4a4 runs fc1; no RAC)
+--write-config: the winning tile of each rule the probed row counts fall in (N = fc1's, bf16 output) into
+configs/wgmma_gemm.json under this GPU's name (dev/tile_writer.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import re
+import sys
 import time
 
 import torch
@@ -18,9 +23,13 @@ import triton.runtime.errors
 import triton.testing
 
 from quads_megatron import nvfp4
-from quads_megatron.kernels import w4a4_grouped as kg
-from quads_megatron.kernels import w4a4_wgmma as wg
+from quads_megatron.kernels import act_quant, gemm_triton, tile_configs
+from quads_megatron.kernels import gemm_wgmma_launch as wg
+from quads_megatron.kernels.tile_configs import WgmmaConfig
 from quads_megatron.rollout.moe_block import route
+
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+from tile_writer import write_config  # noqa: E402
 
 E, HIDDEN, INTER, TOPK = 128, 2048, 768, 8
 
@@ -32,9 +41,9 @@ def tiles(rows: int) -> list[tuple]:
     two 128-K chunks (128 code bytes of each weight row) per ring slot, and with unroll 2 the first one's
     wgmma in flight under the second one's decode (needs ~128+ consumer registers, else ptxas serializes
     the wgmmas: one CTA per SM); ctas_per_sm > 0: its CTAs persist
-    (SMs * ctas_per_sm of them loop over the tiles). Sweeps of 2026-12-02 (session 5,
-    dev/results/probe_wgmma_tiles.txt): 4-warp consumers, 16 warps, deeper rings and an L2 bulk
-    prefetch of each CTA's code rows were slower everywhere."""
+    (SMs * ctas_per_sm of them loop over the tiles). Left out: 4-warp consumers, 16 warps, deeper rings
+    and an L2 bulk prefetch of each CTA's code rows, slower everywhere in the sweeps of 2026-12-02
+    (dev/results/probe_wgmma_tiles.txt)."""
     if rows <= 1024:
         return [
             (16, 8, 3, 1, 1, None, 0, 0),
@@ -96,7 +105,7 @@ def bench(fn) -> float:
 def fc1_weights(g: torch.Generator) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Random bf16 fc1 weights [E, 2I, H] and their NVFP4 (codes, scales, S_dec) stacked per expert."""
     w = torch.randn(E, 2 * INTER, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
-    return w, kg.stack_expert_weights([nvfp4.quantize(w[e]) for e in range(E)])
+    return w, gemm_triton.stack_expert_weights([nvfp4.quantize(w[e]) for e in range(E)])
 
 
 def fc1_rows(tokens: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -113,7 +122,9 @@ def main() -> None:
     ap.add_argument("--match", default="", help="only the tiles whose name (as printed) this regex finds")
     ap.add_argument("--mask-rows", action="store_true", help="also each tile with rows past the expert zero-filled")
     ap.add_argument("--narrow", action="store_true", help="also each warp-specialized tile (BT >= 32) with narrow")
+    ap.add_argument("--write-config", action="store_true", help="write the winners into configs/wgmma_gemm.json")
     args = ap.parse_args()
+    runs = []  # (rule, rows, tile, us) for --write-config
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
     w, (wc, wsc, wsd) = fc1_weights(g)
@@ -134,11 +145,11 @@ def main() -> None:
                 x8, w8.transpose(-2, -1), sx8, (w_amax / 448).float(), offs=offs, out_dtype=torch.bfloat16
             )
         )
-        pairs, perm = kg.activation_operand(xt), kg.activation_operand(xt, order="wgmma")
-        cfg = kg.gemm_config(rows, HIDDEN)
-        want = kg.grouped_w4a4(pairs, offs, wc, wsc, wsd, out_dtype=torch.float32, a_rows=tok, **cfg)
-        want16 = kg.grouped_w4a4(pairs, offs, wc, wsc, wsd, a_rows=tok, **cfg)
-        triton_us = bench(lambda cfg=cfg: kg.grouped_w4a4(pairs, offs, wc, wsc, wsd, a_rows=tok, **cfg))
+        pairs, perm = act_quant.activation_operand(xt), act_quant.activation_operand(xt, order="wgmma")
+        want = gemm_triton.grouped_w4a4(pairs, offs, wc, wsc, wsd, out_dtype=torch.float32, a_rows=tok)
+        want16 = gemm_triton.grouped_w4a4(pairs, offs, wc, wsc, wsd, a_rows=tok)
+        triton_us = bench(lambda: gemm_triton.grouped_w4a4(pairs, offs, wc, wsc, wsd, a_rows=tok))
+        rule = tile_configs.match_rule("wgmma_gemm", "cuda", rows=rows, n=2 * INTER, out_bytes=2)[0]
         print(
             f"tokens {tokens} rows {rows}: bf16 {bf16:.1f} us, fp8 {fp8:.1f} us, triton gemm {triton_us:.1f} us "
             f"({bf16 / triton_us:.2f}x bf16)",
@@ -157,39 +168,42 @@ def main() -> None:
             if not re.search(args.match, name):
                 continue
             if time.time() - t0 > args.budget_s:
-                print("budget spent; stopping", flush=True)
+                print("budget spent; sweep cut short", flush=True)
                 break
-            kw = dict(
-                block_t=bt,
-                num_warps=nw,
-                stages=st,
-                chunks=kc,
-                unroll=un,
-                maxnreg=regs,
-                loader_warps=lw,
-                ctas_per_sm=cps,
-                split=bool(split),
-                mask_rows=masked,
-                narrow=narrow,
-            )
             try:
+                kw = WgmmaConfig(
+                    block_t=bt,
+                    num_warps=nw,
+                    stages=st,
+                    chunks=kc,
+                    unroll=un,
+                    maxnreg=regs,
+                    loader_warps=lw,
+                    ctas_per_sm=cps,
+                    split=bool(split),
+                    mask_rows=masked,
+                    narrow=narrow,
+                )
                 try:
                     got = wg.grouped_w4a4_wgmma(
-                        perm.values, perm.global_decode, offs, wc, wsc, wsd, torch.float32, tok, **kw
+                        perm.values, perm.global_decode, offs, wc, wsc, wsd, torch.float32, tok, config=kw
                     )
                     err = ((got - want)[:rows].norm() / want[:rows].norm()).item()
                 except triton.runtime.errors.OutOfResources:  # fp32 output's epilogue scratch: check in bf16
-                    got = wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, **kw)
+                    got = wg.grouped_w4a4_wgmma(
+                        perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, config=kw
+                    )
                     err = ((got.float() - want16.float())[:rows].norm() / want16.float()[:rows].norm()).item()
                 us = bench(
                     lambda kw=kw: wg.grouped_w4a4_wgmma(
-                        perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, **kw
+                        perm.values, perm.global_decode, offs, wc, wsc, wsd, a_rows=tok, config=kw
                     )
                 )
             except Exception as e:  # out of shared memory / registers: report and go on
                 print(f"  tile {kw} failed: {repr(e)[:160]}", flush=True)
                 continue
             res.append((us, name, err))
+            runs.append((rule, rows, dataclasses.asdict(kw), us))
             print(
                 f"  {name}: {us:.1f} us  {bf16 / us:.2f}x bf16  "
                 f"{fp8 / us:.2f}x fp8  {triton_us / us:.2f}x triton  rel err vs triton {err:.1e}",
@@ -197,8 +211,10 @@ def main() -> None:
             )
         if res:
             best = min(res)
-            d = wg.wgmma_config(rows, 2 * INTER)
+            d = tile_configs.wgmma_config(rows, 2 * INTER, device="cuda")
             print(f"  best {best[1]} {best[0]:.1f} us; default {d}; max err {max(r[2] for r in res):.1e}", flush=True)
+    if args.write_config:
+        print("written:", write_config("wgmma_gemm", runs), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 Per tile (BM, BN, BK, warps, stages): instructions in the main loop per thread and per weight
 element decoded, register moves, MMA instructions, registers per thread, shared memory, and the
 MMA version Triton chose (2 = mma.sync, 3 = wgmma). Uses Triton's ahead-of-time compiler and the
-cuobjdump it bundles; this is how the decode costs in dev/NOTES.md were read.
+cuobjdump it bundles; this is how the decode costs in docs/kernel-notes.md were read.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from quads_megatron.kernels import w4a4_grouped as kg
-from quads_megatron.kernels.sass_hazards import cuobjdump, disassemble
+from quads_megatron.kernels import gemm_triton
+from quads_megatron.kernels.sass_check import disassemble, registers_per_thread
 
 SIGNATURE = {
     **dict.fromkeys(["a_ptr"], "*fp16"),
@@ -31,27 +31,21 @@ SIGNATURE = {
     "y_ptr": "*bf16",
     **dict.fromkeys(["N", "rmask_estride", "wsdec_stride"], "i32"),
 }
-CONSTEXPRS = ["K", "HAS_RES", "HAS_AROWS", "USE_ASM", "A_OPERAND", "OUT_BF16", "BM", "BN", "BK"]
-
-
-def registers_per_thread(cubin: bytes) -> int | None:
-    """Registers per thread of a compiled kernel, read by the cuobjdump bundled with Triton."""
-    regs = re.search(r"REG:(\d+)", cuobjdump(cubin, "-res-usage"))
-    return int(regs.group(1)) if regs else None
+CONSTEXPRS = ["K", "HAS_RES", "HAS_AROWS", "USE_ASM", "A_OPERAND", "OUT_BF16", "BM", "BN", "BK", "PDL"]
 
 
 def loop_stats(bm: int, bn: int, bk: int, warps: int, stages: int, k: int = 2048, a_rows: bool = False, dump=None):
     consts = dict(K=k, HAS_RES=False, HAS_AROWS=a_rows, USE_ASM=True, A_OPERAND=True, OUT_BF16=True)
-    consts.update(BM=bm, BN=bn, BK=bk)
+    consts.update(BM=bm, BN=bn, BK=bk, PDL=False)
     sig = {**SIGNATURE, **dict.fromkeys(CONSTEXPRS, "constexpr")}
     src = ASTSource(
-        fn=kg._grouped_w4a4_kernel,
+        fn=gemm_triton._grouped_w4a4_kernel,
         signature=sig,
         constexprs=consts,
         attrs={(i,): [["tt.divisibility", 16]] for i in range(12)},
     )
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-    sass = disassemble(compiled.asm["cubin"])  # whole (Triton's dump stops at 64 KB)
+    sass = disassemble(compiled.asm["cubin"])  # whole (Triton's own dump ends at 64 KB)
     body = re.search(r"^(L[0-9a-f]+):\n(.*?)BRA \1;", sass, re.S | re.M)  # the first loop: a label branched back to
     lines = [ln for ln in (body.group(2) if body else "").splitlines() if ln.strip()]
     if dump:

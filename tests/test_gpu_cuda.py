@@ -6,7 +6,7 @@ test_megatron_patch / test_moe_w4a4 cover the same contracts through the CPU pat
 * the rollout MoE block (the SGLang method's forward) at Qwen3-30B-A3B expert sizes: Triton path
   vs reference, strided S_dec views, and CUDA-graph capture (no host sync on the serving path);
 * the block's fused pieces on the GPU: token-indexed fc1 rows, gated fc2 quantization, combine;
-* the Gluon Hopper GEMM (kernels/w4a4_wgmma.py: the one-partition kernel and the warp-specialized one)
+* the Gluon Hopper GEMM (kernels/gemm_wgmma.py: the one-partition kernel and the warp-specialized one)
   against the Triton GEMM on every tile it may pick, and the whole block on it (moe_w4a4's default on
   an H200).
 """
@@ -65,7 +65,7 @@ def test_megatron_patches_on_cuda_tensors(megatron_world):
 
 def moe_case(t, seed=0):
     from quads_megatron import nvfp4
-    from quads_megatron.kernels import w4a4_grouped as kg
+    from quads_megatron.kernels import gemm_triton
     from quads_megatron.rollout.moe_block import ExpertWeights
 
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -74,7 +74,7 @@ def moe_case(t, seed=0):
         gu = torch.randn(2 * INTER, H, generator=g, device="cuda") * 0.02
         w13.append(nvfp4.quantize(gu))
         w2.append(nvfp4.quantize(torch.randn(H, INTER, generator=g, device="cuda") * 0.02))
-    w = ExpertWeights(*kg.stack_expert_weights(w13), *kg.stack_expert_weights(w2))
+    w = ExpertWeights(*gemm_triton.stack_expert_weights(w13), *gemm_triton.stack_expert_weights(w2))
     x = (
         torch.randn(t, H, generator=g, device="cuda") * torch.exp(torch.randn(H, generator=g, device="cuda"))
     ).bfloat16()
@@ -169,26 +169,28 @@ def test_programmatic_dependent_launch_changes_no_bit(monkeypatch, impl, tokens)
 def test_fused_block_pieces_on_gpu():
     """Token-indexed fc1 rows (bit for bit), SiLU*up fused into fc2's quantization (GPU exp is Triton's
     own, so a few h values may round differently than torch's silu), the combine kernel."""
-    from quads_megatron.kernels import moe_combine
-    from quads_megatron.kernels import w4a4_grouped as kg
+    from quads_megatron.kernels import act_quant, gemm_triton, tile_configs
+    from quads_megatron.kernels import combine as combine_kernel
     from quads_megatron.rollout.moe_block import combine, gated_activation, route
 
     x, ids, tw, w = moe_case(200)
     ids[3, 1] = -1
     order, offs, valid = route(ids, E)
     tok = order // TOPK
-    op = kg.activation_operand(x)
+    op = act_quant.activation_operand(x)
     n = int(offs[-1])
-    for cfg in (kg.gemm_config(16, H), kg.gemm_config(8192, H), kg.gemm_config(65536, H)):
-        want = kg.grouped_w4a4(kg.ActivationOperand(op.values[tok], op.global_decode[tok]), offs, *_w13(w), **cfg)
-        assert torch.equal(kg.grouped_w4a4(op, offs, *_w13(w), a_rows=tok, **cfg)[:n], want[:n])
-    y1 = kg.grouped_w4a4(op, offs, *_w13(w), a_rows=tok, **kg.gemm_config(16, H))
-    fused = kg.activation_operand(y1, gated=True, row_valid=valid)
-    unfused = kg.activation_operand(torch.where(valid[:, None], gated_activation(y1), 0.0))
+    gathered = act_quant.ActivationOperand(op.values[tok], op.global_decode[tok])
+    for rows in (16, 8192, 65536):  # the tuned tiles of each row bucket
+        cfg = tile_configs.triton_gemm_config(rows, H, "cuda")
+        want = gemm_triton.grouped_w4a4(gathered, offs, *_w13(w), config=cfg)
+        assert torch.equal(gemm_triton.grouped_w4a4(op, offs, *_w13(w), a_rows=tok, config=cfg)[:n], want[:n])
+    y1 = gemm_triton.grouped_w4a4(op, offs, *_w13(w), a_rows=tok, config=tile_configs.triton_gemm_config(16, H, "cuda"))
+    fused = act_quant.activation_operand(y1, gated=True, row_valid=valid)
+    unfused = act_quant.activation_operand(torch.where(valid[:, None], gated_activation(y1), 0.0))
     same = (fused.values == unfused.values).float().mean().item()
     assert same > 0.99 and torch.allclose(fused.global_decode, unfused.global_decode, rtol=1e-2)
     y2 = torch.randn(ids.numel(), H, device="cuda").bfloat16()
-    got = moe_combine.combine(y2, order, ids, tw, E, torch.float32)
+    got = combine_kernel.combine(y2, order, ids, tw, E, torch.float32)
     assert torch.allclose(got, combine(y2, order, valid, tw), rtol=1e-6, atol=1e-6)
 
 
@@ -201,13 +203,14 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
     """Same exact products, fp32 sums in another order: equal to ~1e-7 relative, on every tile
     (row tails, an expert without rows, token-indexed and plain rows)."""
     from quads_megatron import nvfp4
-    from quads_megatron.kernels import w4a4_grouped as kg
-    from quads_megatron.kernels import w4a4_wgmma as wg
+    from quads_megatron.kernels import act_quant, gemm_triton, tile_configs
+    from quads_megatron.kernels import gemm_wgmma_launch as wg
+    from quads_megatron.kernels.tile_configs import TritonGemmConfig, WgmmaConfig
     from quads_megatron.rollout.moe_block import route
 
     n, k = (2 * INTER, H) if layer == "fc1" else (H, INTER)
     g = torch.Generator(device="cuda").manual_seed(7)
-    w = kg.stack_expert_weights(
+    w = gemm_triton.stack_expert_weights(
         [nvfp4.quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02) for _ in range(E)]
     )
     t = 301
@@ -219,21 +222,20 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
     x = (
         torch.randn(t, k, generator=g, device="cuda") * torch.exp(torch.randn(k, generator=g, device="cuda"))
     ).bfloat16()
-    pairs, perm = kg.activation_operand(x), kg.activation_operand(x, order="wgmma")
+    pairs, perm = act_quant.activation_operand(x), act_quant.activation_operand(x, order="wgmma")
     rows = int(offs[-1])  # grouped rows of local experts
-    gathered = kg.ActivationOperand(pairs.values[tok], pairs.global_decode[tok])
+    gathered = act_quant.ActivationOperand(pairs.values[tok], pairs.global_decode[tok])
     for a_rows in (tok, None):  # token-indexed rows, or one operand row per grouped row
         a, s_dec = (
             (perm.values, perm.global_decode) if a_rows is not None else (perm.values[tok], perm.global_decode[tok])
         )
-        want = kg.grouped_w4a4(
+        want = gemm_triton.grouped_w4a4(
             pairs if a_rows is not None else gathered,
             offs,
             *w,
             out_dtype=torch.float32,
+            config=TritonGemmConfig(block_m=16, block_n=64),
             a_rows=a_rows,
-            block_m=16,
-            block_n=64,
         )[:rows]
         for bt, nw, st, kc, un, regs, lw, cps, *flags in [
             (16, 4, 3, 1, 1, None, 0, 0),
@@ -271,18 +273,18 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
             # with 2 stages: the ring refills the slot of the step just retired
             kw = dict(block_t=bt, num_warps=nw, stages=st, chunks=kc, unroll=un, maxnreg=regs, loader_warps=lw)
             split, mask_rows, narrow = (list(flags) + [False] * 3)[:3]
-            kw.update(ctas_per_sm=cps, split=split, mask_rows=mask_rows, narrow=narrow)
+            kw = WgmmaConfig(**kw, ctas_per_sm=cps, split=split, mask_rows=mask_rows, narrow=narrow)
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a register-hazard fallback would warn
-                got = wg.grouped_w4a4_wgmma(a, s_dec, offs, *w, torch.float32, a_rows, **kw)
+                got = wg.grouped_w4a4_wgmma(a, s_dec, offs, *w, torch.float32, a_rows, config=kw)
             err = ((got[:rows] - want).norm() / want.norm()).item()
             assert err < 1e-6, (kw, err)
             assert torch.allclose(got[:rows], want, rtol=1e-4, atol=1e-5 * want.abs().max().item()), kw
-    y_triton = kg.grouped_w4a4(pairs, offs, *w, a_rows=tok, block_m=16, block_n=64)[:rows]
-    for big in (0, 8192, 32768, 131072):  # default tiles at this size, and the (warp-specialized) prefill tiles
-        kw = wg.wgmma_config(big, n) if big else {}
-        assert not big or kw["loader_warps"] > 0
-        y = wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, *w, a_rows=tok, **kw)[:rows]
+    y_triton = gemm_triton.grouped_w4a4(pairs, offs, *w, a_rows=tok, config=TritonGemmConfig(block_m=16, block_n=64))
+    y_triton = y_triton[:rows]
+    for big in (0, 8192, 32768, 131072):  # the tuned tiles at this size, and those of larger row buckets
+        kw = tile_configs.wgmma_config(big, n, device="cuda") if big else None
+        y = wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, *w, a_rows=tok, config=kw)[:rows]
         assert y.dtype == torch.bfloat16
         assert torch.allclose(y.float(), y_triton.float(), rtol=1e-2, atol=1e-3 * y_triton.float().abs().max().item())
     # full tiles through a shared-memory buffer and a TMA bulk store, partial ones read back and masked; fc1's
@@ -291,11 +293,10 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
         kw = dict(block_t=bt, num_warps=8, stages=st, chunks=kc, unroll=un, maxnreg=regs, loader_warps=4)
         kw.update(ctas_per_sm=cps, split=True, mask_rows=True, narrow=True)
         gemm = functools.partial(wg.grouped_w4a4_wgmma, perm.values, perm.global_decode, offs, *w, a_rows=tok)
-        ys = [gemm(**kw, tma_store=f) for f in (False, True)]
+        ys = [gemm(config=WgmmaConfig(**kw, tma_store=f)) for f in (False, True)]
         if bt == 128 and n % 192 == 0:
-            ys += [gemm(**{**kw, "num_warps": 12, "unroll": 1, "maxnreg": 128}, tma_store=False)]
-            ys += [
-                gemm(**{**kw, "num_warps": 12, "stages": 3, "chunks": 1, "unroll": 1, "maxnreg": 128}, tma_store=True)
-            ]
+            ys += [gemm(config=WgmmaConfig(**{**kw, "num_warps": 12, "unroll": 1, "maxnreg": 128}, tma_store=False))]
+            three = {**kw, "num_warps": 12, "stages": 3, "chunks": 1, "unroll": 1, "maxnreg": 128}
+            ys += [gemm(config=WgmmaConfig(**three, tma_store=True))]
         assert len(ys) == (4 if bt == 128 and layer == "fc1" else 2)
         assert all(torch.equal(ys[0], y) for y in ys[1:]), kw

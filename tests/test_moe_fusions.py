@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from quads_megatron import nvfp4
-from quads_megatron.kernels import moe_combine
-from quads_megatron.kernels import w4a4_grouped as kg
+from quads_megatron.kernels import act_quant, gemm_triton, row_tiles
+from quads_megatron.kernels import combine as combine_kernel
+from quads_megatron.kernels.tile_configs import ActQuantConfig, TritonGemmConfig
 from quads_megatron.nvfp4 import NVFP4InputError
 from quads_megatron.rollout import rac_plan
 from quads_megatron.rollout.moe_block import combine, gated_activation, route
@@ -30,15 +31,15 @@ def test_token_indexed_rows_equal_the_gathered_operand(rac):
     order, offs, _ = route(ids, E)
     tokens = order // TOPK
     plan = rac_plan.RACPlan(torch.tensor([1, 2]), K) if rac == "plan" else None
-    wc, wsc, wsd = kg.stack_expert_weights(ws)
-    op = kg.activation_operand(x, plan)
-    gathered = kg.ActivationOperand(op.values[tokens], op.global_decode[tokens])
-    cfg = dict(block_m=16, block_n=32, block_k=64)
-    want = kg.grouped_w4a4(gathered, offs, wc, wsc, wsd, **cfg)
-    got = kg.grouped_w4a4(op, offs, wc, wsc, wsd, a_rows=tokens, **cfg)
+    wc, wsc, wsd = gemm_triton.stack_expert_weights(ws)
+    op = act_quant.activation_operand(x, plan)
+    gathered = act_quant.ActivationOperand(op.values[tokens], op.global_decode[tokens])
+    cfg = dict(config=TritonGemmConfig(block_m=16, block_n=32, block_k=64))
+    want = gemm_triton.grouped_w4a4(gathered, offs, wc, wsc, wsd, **cfg)
+    got = gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, a_rows=tokens, **cfg)
     n = int(offs[-1])  # rows of local experts (the foreign slot's row after them is not computed)
     assert got.shape == (T * TOPK, N) and n == T * TOPK - 1 and torch.equal(got[:n], want[:n])
-    qa = kg.quantize_activation(x, plan)  # the codes path takes the same index
+    qa = act_quant.quantize_activation(x, plan)  # the codes path takes the same index
     qg = rac_plan.QuantizedActivation(
         nvfp4.NVFP4Tensor(qa.x.codes[tokens], qa.x.block_scales[tokens], qa.x.global_decode[tokens]),
         None
@@ -49,11 +50,11 @@ def test_token_indexed_rows_equal_the_gathered_operand(rac):
     )
     mask = None if plan is None else plan.block_mask("cpu")
     assert torch.equal(
-        kg.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, a_rows=tokens, **cfg)[:n],
-        kg.grouped_w4a4(qg, offs, wc, wsc, wsd, mask, **cfg)[:n],
+        gemm_triton.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, a_rows=tokens, **cfg)[:n],
+        gemm_triton.grouped_w4a4(qg, offs, wc, wsc, wsd, mask, **cfg)[:n],
     )
     with pytest.raises(ValueError, match="a_rows"):
-        kg.grouped_w4a4(op, offs, wc, wsc, wsd, a_rows=tokens.float(), **cfg)
+        gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, a_rows=tokens.float(), **cfg)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -65,25 +66,25 @@ def test_gated_operand_equals_quantizing_the_gated_activation(dtype, rac):
     valid = torch.rand(m, generator=g) > 0.2
     h = torch.where(valid[:, None], gated_activation(y1), 0.0)
     kw = {"none": {}, "plan": {"plan": rac_plan.RACPlan(torch.tensor([0, 2]), i)}, "dynamic": {"dynamic_channels": 16}}
-    want = kg.activation_operand(h, **kw[rac])
-    got = kg.activation_operand(y1, gated=True, row_valid=valid, **kw[rac])
+    want = act_quant.activation_operand(h, **kw[rac])
+    got = act_quant.activation_operand(y1, gated=True, row_valid=valid, **kw[rac])
     assert got.values.shape == (m, 2, i // 2)
     assert torch.equal(got.global_decode, want.global_decode)
     assert torch.equal(got.values, want.values)
     assert torch.equal(got.values[~valid], torch.zeros_like(got.values[~valid]))
     with pytest.raises(ValueError, match="gated"):
-        kg.activation_operand(y1.float(), gated=True)
+        act_quant.activation_operand(y1.float(), gated=True)
     with pytest.raises(ValueError, match="row_valid"):
-        kg.activation_operand(y1, gated=True, row_valid=valid[:-1])
+        act_quant.activation_operand(y1, gated=True, row_valid=valid[:-1])
     # rows row_valid drops are never read: NaN there (e.g. a GEMM's unwritten padding rows) is no error,
     # in a kept row it is, and nothing is computed
     dropped, kept = int((~valid).nonzero()[0]), int(valid.nonzero()[0])
     y_nan = y1.clone()
     y_nan[dropped, 5] = float("nan")
-    assert torch.equal(kg.activation_operand(y_nan, gated=True, row_valid=valid, **kw[rac]).values, got.values)
+    assert torch.equal(act_quant.activation_operand(y_nan, gated=True, row_valid=valid, **kw[rac]).values, got.values)
     y_nan[kept, 5] = float("nan")
     with pytest.raises(NVFP4InputError, match="NaN"):
-        kg.activation_operand(y_nan, gated=True, row_valid=valid, **kw[rac])
+        act_quant.activation_operand(y_nan, gated=True, row_valid=valid, **kw[rac])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -93,11 +94,11 @@ def test_combine_kernel_equals_the_torch_combine(dtype):
     y = (torch.randn(T * TOPK, 40, generator=g) * 4).bfloat16()
     tw = torch.softmax(torch.randn(T, TOPK, generator=g), -1)
     want = combine(y, order, valid, tw).to(dtype)
-    got = moe_combine.combine(y, order, ids, tw, E, dtype)
+    got = combine_kernel.combine(y, order, ids, tw, E, dtype)
     assert got.dtype == dtype and torch.equal(got, want)
     assert torch.equal(got[2], (tw[2, [0, 2], None] * y[order.argsort()][[6, 8]].float()).sum(0).to(dtype))
     with pytest.raises(ValueError, match="combine"):
-        moe_combine.combine(y[:-1], order, ids, tw, E, dtype)
+        combine_kernel.combine(y[:-1], order, ids, tw, E, dtype)
 
 
 def _tile_map_reference(offs: list[int], bm: int, tiles: int) -> list[list[int]]:
@@ -115,7 +116,7 @@ def test_tile_map(bm):
     """Each row tile's expert, first row and row end (empty experts skipped, -1 past the last tile), also
     across several programs of the map kernel (128 tiles each) and for an empty batch."""
     offs = torch.tensor([0, 3, 3, 40, 41], dtype=torch.int32)
-    got = kg.tile_map(offs, 16, 9).tolist()
+    got = row_tiles.tile_map(offs, 16, 9).tolist()
     assert got == _tile_map_reference(offs.tolist(), 16, 9)
     assert [t[0] for t in got] == [1, 3, 3, 3, 4, -1, -1, -1, -1] and got[2][1:] == [19, 40, 5]
     g = torch.Generator().manual_seed(0)
@@ -123,8 +124,8 @@ def test_tile_map(bm):
     counts[::7] = 0
     offs = torch.cumsum(counts, 0).to(torch.int32)
     tiles = int(offs[-1]) // bm + 40
-    assert kg.tile_map(offs, bm, tiles).tolist() == _tile_map_reference(offs.tolist(), bm, tiles)
-    assert kg.tile_map(torch.zeros(4, dtype=torch.int32), bm, 4).tolist() == [[-1, 0, 0, 0]] * 4
+    assert row_tiles.tile_map(offs, bm, tiles).tolist() == _tile_map_reference(offs.tolist(), bm, tiles)
+    assert row_tiles.tile_map(torch.zeros(4, dtype=torch.int32), bm, 4).tolist() == [[-1, 0, 0, 0]] * 4
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -137,11 +138,11 @@ def test_row_tiles_written_by_the_activation_launch(gated):
     offs = torch.cumsum(counts, 0).to(torch.int32)
     rows = int(offs[-1])
     x = (torch.randn(rows, 2 * K if gated else K, generator=g) * 3).bfloat16()
-    plain = kg.activation_operand(x, gated=gated, block_m=16)
-    op = kg.activation_operand(x, gated=gated, block_m=16, row_tiles=(offs, 16, rows))
+    plain = act_quant.activation_operand(x, gated=gated, config=ActQuantConfig(block_m=16))
+    op = act_quant.activation_operand(x, gated=gated, config=ActQuantConfig(block_m=16), row_tiles=(offs, 16, rows))
     assert plain.tiles is None and op.tiles.block_rows == 16
     assert torch.equal(op.values, plain.values) and torch.equal(op.global_decode, plain.global_decode)
-    want = kg.RowTiles.count(rows, 16, offs.numel())
+    want = row_tiles.RowTiles.count(rows, 16, offs.numel())
     assert op.tiles.table.shape == (want, 4) and want > 2 * 32  # several tile-map programs
     assert op.tiles.table.tolist() == _tile_map_reference(offs.tolist(), 16, want)
 
@@ -152,13 +153,14 @@ def test_grouped_gemm_takes_row_tiles_made_beforehand():
     g, x, ids, ws = _setup(2)
     order, offs, _ = route(ids, E)
     tokens = order // TOPK
-    wc, wsc, wsd = kg.stack_expert_weights(ws)
-    op = kg.activation_operand(x, row_tiles=(offs, 16, tokens.numel()))
-    own = kg.grouped_w4a4(op, offs, wc, wsc, wsd, block_m=16, block_k=64, a_rows=tokens)
-    shared = kg.grouped_w4a4(op, offs, wc, wsc, wsd, block_m=16, block_k=64, a_rows=tokens, tiles=op.tiles)
+    wc, wsc, wsd = gemm_triton.stack_expert_weights(ws)
+    op = act_quant.activation_operand(x, row_tiles=(offs, 16, tokens.numel()))
+    tiles16, tiles32 = TritonGemmConfig(block_m=16, block_k=64), TritonGemmConfig(block_m=32, block_k=64)
+    own = gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, config=tiles16, a_rows=tokens)
+    shared = gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, config=tiles16, a_rows=tokens, tiles=op.tiles)
     done = int(offs[-1])  # rows past the last expert (the foreign slot) are not written
     assert torch.equal(own[:done], shared[:done])
     with pytest.raises(ValueError, match="row tiles of 16 rows"):
-        kg.grouped_w4a4(op, offs, wc, wsc, wsd, block_m=32, block_k=64, a_rows=tokens, tiles=op.tiles)
+        gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, config=tiles32, a_rows=tokens, tiles=op.tiles)
     with pytest.raises(ValueError, match="row tiles of 16 rows"):
-        kg.grouped_w4a4(op, offs, wc, wsc, wsd, block_m=16, block_k=64, a_rows=tokens[:-5], tiles=op.tiles)
+        gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, config=tiles16, a_rows=tokens[:-5], tiles=op.tiles)

@@ -1,11 +1,13 @@
 """Rollout MoE block (W4A4 + RAC experts): reference semantics, Triton path (TRITON_INTERPRET=1)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from quads_megatron import nvfp4
 from quads_megatron.errors import RACPlanError
-from quads_megatron.kernels import w4a4_grouped as kg
+from quads_megatron.kernels import act_quant, gemm_triton, tile_configs
 from quads_megatron.nvfp4 import NVFP4InputError
 from quads_megatron.rollout import rac_plan, reference
 from quads_megatron.rollout.moe_block import ExpertWeights, GemmRAC, LayerRAC, moe_w4a4, route
@@ -21,8 +23,8 @@ def experts(seed=0):
         amax = nvfp4.shared_amax(gate, up)  # the contract: gate and up share one global scale
         w13.append(nvfp4.quantize(torch.cat([gate, up]), global_amax=amax))
         w2.append(nvfp4.quantize(torch.randn(H, INTER, generator=g) * 0.05))
-    c13, s13, d13 = kg.stack_expert_weights(w13)
-    c2, s2, d2 = kg.stack_expert_weights(w2)
+    c13, s13, d13 = gemm_triton.stack_expert_weights(w13)
+    c2, s2, d2 = gemm_triton.stack_expert_weights(w2)
     return ExpertWeights(c13, s13, d13, c2, s2, d2), w13, w2
 
 
@@ -91,12 +93,16 @@ def test_fc2_builds_its_own_row_tiles_where_its_tiles_differ(monkeypatch):
     weights, _, _ = experts()
     x, ids, tw = routing()
     shared = moe_w4a4(x, ids, tw, weights, impl="triton")
-    config = kg.gemm_config
-    monkeypatch.setattr(kg, "gemm_config", lambda rows, k: {**config(rows, k), "block_m": 32 if k == INTER else 16})
-    launches = []
-    operand = kg.activation_operand
+    config = tile_configs.triton_gemm_config
     monkeypatch.setattr(
-        kg, "activation_operand", lambda *a, **kw: launches.append(kw["row_tiles"]) or operand(*a, **kw)
+        tile_configs,
+        "triton_gemm_config",
+        lambda rows, k, device=None: dataclasses.replace(config(rows, k, device), block_m=32 if k == INTER else 16),
+    )
+    launches = []
+    operand = act_quant.activation_operand
+    monkeypatch.setattr(
+        act_quant, "activation_operand", lambda *a, **kw: launches.append(kw["row_tiles"]) or operand(*a, **kw)
     )
     assert torch.equal(moe_w4a4(x, ids, tw, weights, impl="triton"), shared)
     assert [t if t is None else t[1:] for t in launches] == [(16, T * TOPK), (32, T * TOPK)]

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from quads_megatron import nvfp4
-from quads_megatron.kernels import nvfp4_quant
+from quads_megatron.kernels import fp4_device, nvfp4_quant
 
 
 @pytest.mark.parametrize(
@@ -44,7 +44,7 @@ def _e4m3_probe(v_ptr, val_ptr, code_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     v = tl.load(v_ptr + offs, mask=m, other=0.0)
-    r, code = nvfp4_quant.e4m3_rne(v)
+    r, code = fp4_device.e4m3_rne(v)
     tl.store(val_ptr + offs, r, mask=m)
     tl.store(code_ptr + offs, code, mask=m)
 
@@ -80,8 +80,8 @@ def _e2m1_probe(v_ptr, code_ptr, val_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     v = tl.load(v_ptr + offs, mask=m, other=0.0)
-    tl.store(code_ptr + offs, nvfp4_quant.e2m1_code(v), mask=m)
-    tl.store(val_ptr + offs, nvfp4_quant.e2m1_round(v), mask=m)
+    tl.store(code_ptr + offs, fp4_device.e2m1_code(v), mask=m)
+    tl.store(val_ptr + offs, fp4_device.e2m1_round(v), mask=m)
 
 
 def test_kernel_e2m1_rounding_by_magic_add_is_the_code_value_bit_for_bit():

@@ -2,11 +2,14 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from quads_megatron import nvfp4
 from quads_megatron.config import RACConfig
 from quads_megatron.errors import RACPlanError
-from quads_megatron.kernels import w4a4_grouped as kg
+from quads_megatron.kernels import act_quant, fp4_device, gemm_triton
+from quads_megatron.kernels.tile_configs import ActQuantConfig, TritonGemmConfig
 from quads_megatron.nvfp4 import NVFP4InputError
 from quads_megatron.rollout import calibration, rac_plan, reference
 
@@ -128,7 +131,7 @@ def test_triton_activation_quant_bit_identical(blocks, static, block_k):
     plan = None if blocks is None else rac_plan.RACPlan(torch.tensor(blocks), 96)
     amax = torch.tensor(7.5) if static else None
     a = reference.quantize_activation(x, plan, amax)
-    b = kg.quantize_activation(x, plan, amax, block_k=block_k, block_m=None if block_k else 8)
+    b = act_quant.quantize_activation(x, plan, amax, ActQuantConfig(block_m=None if block_k else 8, block_k=block_k))
     assert a.x.same_bits(b.x)
     assert (a.residual is None) == (b.residual is None)
     if a.residual is not None:
@@ -145,14 +148,14 @@ def test_triton_dynamic_rac_bit_identical(channels, static, k, rows):
     x[2, :16] = x[2, 16:32]  # equal residual amaxes: ties resolved by the same rule
     amax = torch.tensor(9.0) if static else None
     a = reference.quantize_activation(x, None, amax, dynamic_channels=channels)
-    b = kg.quantize_activation(x, None, amax, block_m=4, dynamic_channels=channels)
+    b = act_quant.quantize_activation(x, None, amax, ActQuantConfig(block_m=4), dynamic_channels=channels)
     assert a.x.same_bits(b.x) and a.residual.same_bits(b.residual)
-    op = kg.activation_operand(x, None, amax, dynamic_channels=channels)
+    op = act_quant.activation_operand(x, None, amax, dynamic_channels=channels)
     exact = reference._exact_values
     want = ((exact(a.x) / 128).half().float() + (exact(a.residual) / 128).half()).half()
     assert torch.equal(op.values[:, 0], want[:, 0::2]) and torch.equal(op.values[:, 1], want[:, 1::2])
     with pytest.raises(ValueError, match="must cover K"):
-        kg.quantize_activation(x, block_k=32, dynamic_channels=16)
+        act_quant.quantize_activation(x, config=ActQuantConfig(block_k=32), dynamic_channels=16)
 
 
 def folded_reference(x, offs, ws, plan):
@@ -179,10 +182,11 @@ def test_triton_grouped_gemm_matches_reference(rac_blocks, experts):
     ws = [nvfp4.quantize(torch.randn(n, k) * 0.05 * (i + 1)) for i in range(e)]
     plan = None if rac_blocks is None else rac_plan.RACPlan(torch.tensor(rac_blocks), k)
     ref = reference.grouped_w4a4_reference(x, offs, ws, None if plan is None else [plan] * e)
-    qa = kg.quantize_activation(x, plan)
-    wc, wsc, wsd = kg.stack_expert_weights(ws)
+    qa = act_quant.quantize_activation(x, plan)
+    wc, wsc, wsd = gemm_triton.stack_expert_weights(ws)
     mask = None if plan is None else plan.block_mask()
-    y = kg.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, out_dtype=torch.float32, block_n=16, block_k=64)
+    tiles16, tiles32 = TritonGemmConfig(block_n=16, block_k=64), TritonGemmConfig(block_n=32, block_k=32)
+    y = gemm_triton.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, out_dtype=torch.float32, config=tiles16)
     tol = ref.abs().max().item()
     if plan is None:  # exact products: only the fp32 summation order differs
         assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * tol)
@@ -190,35 +194,57 @@ def test_triton_grouped_gemm_matches_reference(rac_blocks, experts):
         assert torch.allclose(y, folded_reference(x, offs, ws, plan), rtol=1e-5, atol=1e-5 * tol)
         assert ((y - ref).norm() / ref.norm()).item() < 2e-4  # and stay within 2e-4 of augmented K
     # the pre-decoded operand path does the same arithmetic: bit-identical output
-    y_op = kg.grouped_w4a4(
-        kg.activation_operand(x, plan), offs, wc, wsc, wsd, out_dtype=torch.float32, block_n=16, block_k=64
-    )
+    op = act_quant.activation_operand(x, plan)
+    y_op = gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, out_dtype=torch.float32, config=tiles16)
     assert torch.equal(y_op, y)
-    y_bf16 = kg.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, block_n=32, block_k=32)
+    y_bf16 = gemm_triton.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, config=tiles32)
     assert y_bf16.dtype == torch.bfloat16  # rounded to nearest even (not truncated) from the fp32 result
-    y32 = kg.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, out_dtype=torch.float32, block_n=32, block_k=32)
+    y32 = gemm_triton.grouped_w4a4(qa, offs, wc, wsc, wsd, mask, out_dtype=torch.float32, config=tiles32)
     assert torch.equal(y_bf16, y32.bfloat16())
     assert torch.allclose(y_bf16.float(), ref, rtol=1e-2, atol=1e-2 * tol)
 
 
 def test_triton_grouped_gemm_checks_shapes():
     ws = [nvfp4.quantize(torch.randn(16, 64)) for _ in range(2)]
-    wc, wsc, wsd = kg.stack_expert_weights(ws)
-    qa = kg.quantize_activation(torch.randn(4, 128))
+    wc, wsc, wsd = gemm_triton.stack_expert_weights(ws)
+    qa = act_quant.quantize_activation(torch.randn(4, 128))
     with pytest.raises(ValueError, match="does not match weight K"):
-        kg.grouped_w4a4(qa, torch.tensor([2, 4]), wc, wsc, wsd)
-    qa = kg.quantize_activation(torch.randn(4, 64))
+        gemm_triton.grouped_w4a4(qa, torch.tensor([2, 4]), wc, wsc, wsd)
+    qa = act_quant.quantize_activation(torch.randn(4, 64))
     with pytest.raises(ValueError, match="offs has 3 entries"):
-        kg.grouped_w4a4(qa, torch.tensor([1, 2, 4]), wc, wsc, wsd)
+        gemm_triton.grouped_w4a4(qa, torch.tensor([1, 2, 4]), wc, wsc, wsd)
+
+
+@triton.jit
+def _decode_probe(c_ptr, s_ptr, lo_ptr, hi_ptr, BR: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
+    rows = tl.arange(0, BR).to(tl.int64)
+    lo, hi = fp4_device.load_decoded(c_ptr, s_ptr, rows, rows < BR, 0, BK, BR, BK, USE_ASM)
+    offs = rows[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :]
+    tl.store(lo_ptr + offs, lo.to(tl.float32))
+    tl.store(hi_ptr + offs, hi.to(tl.float32))
+
+
+def check_tile_decode(use_asm: bool) -> bool:
+    """fp4_device.load_decoded against the contract: value * s_b * 2^-7 for all 256 code bytes x 127
+    finite E4M3 scales, bit for bit (benchmarks/bench_moe_w4a4.py runs the same check with PTX on a GPU)."""
+    scales = torch.arange(128, dtype=torch.uint8).clamp(max=126).reshape(128, 1).repeat(1, 16)
+    ok = True
+    for half in (0, 1):
+        codes = torch.arange(128 * half, 128 * half + 128, dtype=torch.uint8).reshape(1, 128).repeat(128, 1)
+        lo, hi = torch.empty(128, 128), torch.empty(128, 128)
+        _decode_probe[(1,)](codes, scales, lo, hi, BR=128, BK=256, USE_ASM=use_asm)
+        want = nvfp4.dequantize(nvfp4.NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), torch.tensor(1.0))) / 128
+        ok &= torch.equal(lo, want[:, 0::2]) and torch.equal(hi, want[:, 1::2])
+    return bool(ok)
 
 
 def test_gemm_tile_decode_is_exact_for_every_code_and_scale():
     """The in-register fp16 decode equals value * s_b * 2^-7 for all 256 code bytes x 127 E4M3 scales."""
-    assert kg.check_tile_decode("cpu", use_asm=False)
+    assert check_tile_decode(use_asm=False)
     from triton.errors import TritonError
 
     with pytest.raises(TritonError, match="inline_asm"):  # no PTX off the GPU: the check cannot pass vacuously
-        kg.check_tile_decode("cpu", use_asm=True)
+        check_tile_decode(use_asm=True)
 
 
 @pytest.mark.parametrize("blocks", [None, [0, 2, 5]])
@@ -227,7 +253,7 @@ def test_activation_operand_is_the_decoded_codes(blocks, block_k):
     x = outlier_activations(9, 96)
     plan = None if blocks is None else rac_plan.RACPlan(torch.tensor(blocks), 96)
     qa = reference.quantize_activation(x, plan)
-    op = kg.activation_operand(x, plan, block_k=block_k, block_m=None if block_k else 4)
+    op = act_quant.activation_operand(x, plan, config=ActQuantConfig(block_m=None if block_k else 4, block_k=block_k))
     want = (reference._exact_values(qa.x) / 128).half()
     if plan is not None:
         want = (want.float() + (reference._exact_values(qa.residual) / 128).half().float()).half()

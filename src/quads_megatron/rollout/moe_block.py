@@ -7,7 +7,7 @@ amax), optionally RAC-compensated (static plan or dynamic per-token selection), 
 converter's / trainer's NVFP4 codes as they are (no re-quantization). fc1 outputs and the gated
 activation are rounded to the activation dtype (bf16) like every serving engine does between the
 two GEMMs. Two implementations with one contract: ``reference`` (torch, any device) and
-``triton`` (quads_megatron.kernels.w4a4_grouped, the Hopper path). The Triton path fuses SiLU(gate)
+``triton`` (quads_megatron.kernels, the Hopper path). The Triton path fuses SiLU(gate)
 * up into fc2's activation quantization; on a GPU that SiLU uses Triton's exp, so a few gated
 values may differ from torch's SiLU by one bf16 ulp (bit-identical under the CPU interpreter).
 
@@ -189,10 +189,10 @@ def moe_w4a4(
     if impl == "reference":
         y2 = _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation)
         return combine(y2, order, valid, topk_weights).to(x.dtype)
-    from quads_megatron.kernels import moe_combine
+    from quads_megatron.kernels import combine as combine_kernel
 
     y2 = _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, impl == "wgmma")
-    return moe_combine.combine(y2, order, topk_ids, topk_weights, weights.num_experts, x.dtype)
+    return combine_kernel.combine(y2, order, topk_ids, topk_weights, weights.num_experts, x.dtype)
 
 
 def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation):
@@ -209,42 +209,44 @@ def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activa
 
 
 def hopper_gemm_usable(device: torch.device, weights: ExpertWeights, rows: int | None = None) -> bool:
-    """Whether both expert GEMMs can run on the Gluon Hopper kernel (kernels/w4a4_wgmma.py) here;
-    with rows (tokens * top-k), also whether it is the faster GEMM there (w4a4_wgmma.faster_than_triton)."""
+    """Whether both expert GEMMs can run on the Gluon Hopper kernel (kernels/gemm_wgmma_launch.py) here;
+    with rows (tokens * top-k), also whether it is the faster GEMM there (tile_configs.wgmma_faster_than_triton)."""
     if device.type != "cuda":
         return False
     try:
-        from quads_megatron.kernels import w4a4_wgmma as wg
+        from quads_megatron.kernels import gemm_wgmma_launch
     except ImportError:  # a Triton without Gluon's Hopper API
         return False
+    from quads_megatron.kernels.tile_configs import wgmma_faster_than_triton
+
     h, i = weights.hidden, weights.intermediate
-    usable = wg.usable(device, 2 * i, h) and wg.usable(device, h, i)
-    return usable and (rows is None or wg.faster_than_triton(rows))
+    usable = gemm_wgmma_launch.usable(device, 2 * i, h) and gemm_wgmma_launch.usable(device, h, i)
+    return usable and (rows is None or wgmma_faster_than_triton(rows, device))
 
 
-def _gemm_block_rows(rows: int, n: int, k: int, wgmma: bool, out_dtype: torch.dtype) -> int:
-    """Row-tile height the expert GEMM will run at this many grouped rows (its tile config)."""
+def _gemm_config(rows: int, n: int, k: int, wgmma: bool, out_dtype: torch.dtype, device: torch.device):
+    """The tuned tiles of an expert GEMM at this many grouped rows: (config, row-tile height)."""
+    from quads_megatron.kernels import tile_configs
+
     if wgmma:
-        from quads_megatron.kernels import w4a4_wgmma as wg
-
-        return wg.wgmma_config(rows, n, out_dtype)["block_t"]
-    from quads_megatron.kernels import w4a4_grouped as kg
-
-    return kg.gemm_config(rows, k)["block_m"]
+        cfg = tile_configs.wgmma_config(rows, n, out_dtype, device)
+        return cfg, cfg.block_t
+    cfg = tile_configs.triton_gemm_config(rows, k, device)
+    return cfg, cfg.block_m
 
 
-def _expert_gemm(op, offs, codes, scales, sdec, out_dtype, a_rows=None, tiles=None):
-    from quads_megatron.kernels import w4a4_grouped as kg
-
+def _expert_gemm(op, offs, codes, scales, sdec, out_dtype, config, a_rows=None, tiles=None):
     if op.order == "wgmma":
-        from quads_megatron.kernels import w4a4_wgmma as wg
+        from quads_megatron.kernels import gemm_wgmma_launch
 
-        return wg.grouped_w4a4_wgmma(
-            op.values, op.global_decode, offs, codes, scales, sdec, out_dtype, a_rows, tiles=tiles
+        return gemm_wgmma_launch.grouped_w4a4_wgmma(
+            op.values, op.global_decode, offs, codes, scales, sdec, out_dtype, a_rows, config, tiles
         )
-    rows = op.values.shape[0] if a_rows is None else a_rows.numel()
-    cfg = kg.gemm_config(rows, codes.shape[2] * 2)
-    return kg.grouped_w4a4(op, offs, codes, scales, sdec, out_dtype=out_dtype, a_rows=a_rows, tiles=tiles, **cfg)
+    from quads_megatron.kernels import gemm_triton
+
+    return gemm_triton.grouped_w4a4(
+        op, offs, codes, scales, sdec, out_dtype=out_dtype, config=config, a_rows=a_rows, tiles=tiles
+    )
 
 
 def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, wgmma):
@@ -252,25 +254,25 @@ def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activatio
     SiLU(gate) * up and the foreign-row mask are fused into fc2's activation quantization. fc1's
     quantization launch also writes the GEMMs' row-tile table, shared by fc2 where its tiles are as
     tall (no launch of its own). wgmma: operands in the Gluon kernel's order, GEMMs on it."""
-    from quads_megatron.kernels import w4a4_grouped as kg
+    from quads_megatron.kernels import act_quant
 
     g1, g2 = rac.fc1, rac.fc2
     order = "wgmma" if wgmma else "pairs"
     rows, h, i = tokens.numel(), weights.hidden, weights.intermediate
-    bt1 = _gemm_block_rows(rows, 2 * i, h, wgmma, x.dtype)
-    bt2 = _gemm_block_rows(rows, h, i, wgmma, x.dtype)
+    cfg1, bt1 = _gemm_config(rows, 2 * i, h, wgmma, x.dtype, x.device)
+    cfg2, bt2 = _gemm_config(rows, h, i, wgmma, x.dtype, x.device)
 
     def operand(a, g, amax, **kw):
-        return kg.activation_operand(
+        return act_quant.activation_operand(
             a, g.plan, amax, block_mask=g.mask, dynamic_channels=g.dynamic_channels, order=order, **kw
         )
 
     op = operand(x, g1, static_amax[0], check=check, row_tiles=(offs, bt1, rows))  # once per token
-    y1 = _expert_gemm(
-        op, offs, weights.w13_codes, weights.w13_scales, weights.w13_sdec, x.dtype, a_rows=tokens, tiles=op.tiles
-    )
+    w13 = (weights.w13_codes, weights.w13_scales, weights.w13_sdec)
+    y1 = _expert_gemm(op, offs, *w13, x.dtype, cfg1, a_rows=tokens, tiles=op.tiles)
     # of gated_activation(y1), zero on foreign rows; finite by construction
     row_tiles2 = None if bt2 == bt1 else (offs, bt2, rows)
     op2 = operand(y1, g2, static_amax[1], check=False, gated=True, row_valid=valid, row_tiles=row_tiles2)
     tiles2 = op.tiles if bt2 == bt1 else op2.tiles
-    return _expert_gemm(op2, offs, weights.w2_codes, weights.w2_scales, weights.w2_sdec, x.dtype, tiles=tiles2)
+    w2 = (weights.w2_codes, weights.w2_scales, weights.w2_sdec)
+    return _expert_gemm(op2, offs, *w2, x.dtype, cfg2, tiles=tiles2)

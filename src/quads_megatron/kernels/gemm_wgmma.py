@@ -1,78 +1,35 @@
-"""Hopper (sm_90) grouped W4A4 GEMM in Gluon: FP4 weights decoded straight into wgmma's register operand.
+"""Hopper (sm_90) grouped W4A4 GEMM in Gluon, device code: FP4 weights decoded straight into wgmma's
+register operand. The host side (tiles, checks, launch) is gemm_wgmma_launch.
 
 The product is computed transposed, y^T[n, row] = W_e[n, :] . A[row, :], so the decoded weights are
-wgmma's A operand, which may live in registers: no shared-memory round trip for them, and the token
+wgmma's A operand, which may live in registers (no shared-memory round trip for them), and the token
 rows (few per expert at decode sizes) are wgmma's N, which can be as small as 8. Each warpgroup owns
-64 weight rows; a k-step covers 128 elements (64 code bytes per row, 16 per thread).
+64 weight rows; a k-step covers 128 elements (64 code bytes per row, 16 per thread). Each thread's
+decoded values must land in the registers wgmma reads for its lane, which fixes a permutation of K
+inside every 128-element chunk: the activation operand is written in that order (act_quant, order
+"wgmma"), so the GEMM only copies its rows.
 
-Operand order ("wgmma"): each thread loads 16 contiguous code bytes of a row and its decoded values
-must land in the registers wgmma reads for its lane. That fixes a permutation of K inside every
-128-element chunk (``operand_permutation``); the activation operand (activation_operand(order=
-"wgmma")) is written in that permuted order, so the GEMM only copies its rows. The sums are the
-same dot products, each accumulated in fp32 in another order than the Triton kernel's.
-
-Pipeline: activation rows (gathered through a_rows), code bytes and scale bytes of a k-step arrive
-by cp.async in a STAGES-deep ring. The K loop runs in straight-line runs of UNROLL k-steps: inside a
-run each chunk's decode overlaps the previous chunk's wgmma (wait(1)); the run ends with wait(0). A
-wgmma left in flight across the loop's back edge had ptxas reuse its register operand (corrupted
-tiles on the H200); inside straight-line code ptxas keeps it. sass_hazards checks exactly that on
-each compiled kernel (grouped_w4a4_wgmma falls back to 1-step runs where it finds a hazard).
-
-Warp-specialized variant (_w4a4_wgmma_ws_kernel, wgmma_config's choice above 1024 grouped rows): a
-loader partition (cp.async, per-slot mbarriers; one or two 128-K chunks per slot) fills the ring, the
-consumer warps only wait, decode, wgmma and free the slot (one partition, or one per consumer
-warpgroup: "split consumers"); with ctas_per_sm its CTAs persist and loop over the tiles. Every CTA
-finds its tile (expert, rows) in a row-tile table (w4a4_grouped.RowTiles): one round trip, where a
-binary search over the experts took ~8 dependent loads. The table comes from the activation
-quantization's launch (moe_w4a4: one table for fc1 and fc2) or from a small launch of its own. Both
-kernels wait for the previous kernel before their first read and may be launched programmatically
-dependent (kernels/pdl.py). On the H200 the load path, not the decode or the MMA, is what most of its
-time goes to (benchmarks/NOTES.md).
+w4a4_wgmma_kernel: one partition; activation rows, code and scale bytes arrive by cp.async in a
+STAGES-deep ring; the K loop runs in straight-line runs of UNROLL k-steps (each decode overlaps the
+previous wgmma, each run ends with wait(0)): ptxas may reuse a register operand of a wgmma left in
+flight across the loop's back edge, which sass_check.wgmma_register_hazards finds in the SASS.
+w4a4_wgmma_ws_kernel: warp-specialized; LW loader warps fill the ring (per-slot mbarriers), the
+consumer warps only wait, decode, wgmma and free the slot, optionally one partition per consumer
+warpgroup (split) and persistent CTAs. Every CTA reads its tile from a row-tile table
+(row_tiles.RowTiles). Both wait for the previous kernel before their first read (pdl).
 """
 
 from __future__ import annotations
 
-import functools
-import subprocess
-import warnings
-
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quads_megatron.kernels import pdl
-from quads_megatron.kernels.sass_hazards import disassemble, wgmma_register_hazards
-from quads_megatron.kernels.w4a4_grouped import (
-    WGMMA_CHUNK,
-    RowTiles,
-    _nibble_ptx,
-    check_wgmma_order,
-    gemm_row_tiles,
-    grouped_rows,
-)
+from quads_megatron.kernels.fp4_device import PTX_HI, PTX_LO
 
-CHUNK = WGMMA_CHUNK  # K elements per k-step and per operand permutation chunk
-ROWS_PER_WARPGROUP = 64
-
-
-def operand_permutation(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """int64 [K]: position L of the "wgmma" operand holds activation element perm[L].
-
-    Inside each 128-chunk, with physical bits P = (t1 t0 w1 w0 q1 q0 s) (code byte 16t + 4w + q of
-    a row, s = high nibble), the logical position is L = (w1 w0 s q1 t1 t0 q0): the order in which
-    the decode's registers reach wgmma's A fragment (rows g, g+8; k 2t, 2t+1, 2t+8, 2t+9 per k16).
-    """
-    check_wgmma_order(k)
-    p = torch.arange(CHUNK)
-    bit = [(p >> i) & 1 for i in range(7)]  # p0 = s, p1 = q0, p2 = q1, p3 = w0, p4 = w1, p5 = t0, p6 = t1
-    logical = (bit[4] << 6) | (bit[3] << 5) | (bit[0] << 4) | (bit[2] << 3) | (bit[6] << 2) | (bit[5] << 1) | bit[1]
-    inv = torch.empty(CHUNK, dtype=torch.int64)
-    inv[logical] = p
-    return (torch.arange(0, k, CHUNK)[:, None] + inv[None, :]).reshape(-1).to(device)
+ROWS_PER_WARPGROUP = 64  # weight rows per consumer warpgroup (wgmma's M)
 
 
 def y_box_layout(block_t: int) -> gl.NVMMASharedLayout:
@@ -80,71 +37,7 @@ def y_box_layout(block_t: int) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([block_t, 64], gl.bfloat16)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.cache
-def _capability_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
-def usable(device: torch.device, n: int, k: int) -> bool:
-    """Whether this kernel runs for weights [N, K] on device: an sm_90 GPU, K % 128 == 0, K >= 256 (a
-    one-step K loop does not lower in Triton 3.6), N % 64 == 0."""
-    if device.type != "cuda" or k % CHUNK or k < 2 * CHUNK or n % ROWS_PER_WARPGROUP:
-        return False
-    return _capability_ok(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def wgmma_config(rows: int, n: int, out_dtype: torch.dtype = torch.bfloat16) -> dict[str, int | bool]:
-    """Tiles by grouped rows (tokens * top-k): token tile BT (wgmma N), warps (64 weight rows per
-    warpgroup), ring depth, 128-K chunks per step, k-steps per straight-line run; above 1024 rows the
-    warp-specialized kernel (loader_warps cp.async warps; maxnreg: the launch's register cap, 80 = two
-    CTAs per SM) with persistent CTAs (ctas_per_sm) above 16384 rows. From the H200 sweeps
-    (benchmarks/probe_wgmma_tiles.py, 2026-12-02): shallow rings (more CTAs per SM) at decode sizes;
-    the warp-specialized kernel 3-6% faster than the one-partition kernel at 8192 and 32768 rows;
-    persistent CTAs 3-5% faster at 32768 rows and, with 128-token tiles, at 131072 rows; there (2026-12-03)
-    2 chunks per slot with the first one's wgmma in flight under the second one's decode: 1854 -> 1754 us
-    at 131072 rows. That 2-slot ring leaves no room for an fp32 output's epilogue scratch (233.5 KB of
-    227 KB on the H200): fp32 output keeps the 3-slot, 1-chunk ring. Split consumers (session 8: one
-    partition per consumer warpgroup, not kept in step by a barrier per k-step): 1805 -> 1644 us at
-    131072 rows, 119.5 -> 116.1 us at 2048 rows (32-token tiles; 114.0 with 2 chunks per slot, where
-    the one-partition kernel took ~119), no gain at 32768 rows. Rows past an expert zero-filled
-    (mask_rows, session 9), not read from row 0: 78.2 -> 69.3 us at 128 rows, 114.0 -> 104.2 at 2048,
-    206.9 -> 184.6 at 8192; with them 64-token split tiles from 3073 rows (4096: 142.2 -> 133.1 us) and
-    128-token split tiles from 16385 (32768: BT64 persistent 548.2 -> 463.1 us); at 131072 rows 1640 ->
-    1570 in one sweep, 1598 -> 1680 in another (noise of a few %). Narrow tiles (session 10: a tile whose
-    expert has at most BT/2 rows left runs half-width wgmmas) with every warp-specialized tile, bit-identical:
-    104.0 -> 101.5 us at 2048 rows, 131.3 -> 125.3 at 4096, 183.0 -> 178.9 at 8192, 300.8 -> 296.1 at
-    16384, 463.8 -> 453.4 at 32768; at 131072 a wash (1606 -> 1558 in one sweep, 1576 -> 1592 in another).
-    Session 13 (2026-12-04), bit-identical: three consumer warpgroups (192 weight rows per CTA, N % 192 == 0:
-    fc1; a third fewer activation bytes per MAC through the loader; no in-slot overlap at their 136
-    registers) 1549-1574 -> 1448 us at 131072 rows, 449 -> 431 at 32768; TMA stores of full tiles (128-row
-    CTAs) 1544 -> 1530 and 1574 -> 1549 at 131072 rows, within noise elsewhere."""
-    if rows <= 1024:
-        cfg = dict(block_t=16, num_warps=8, stages=3, chunks=1, unroll=1)
-    elif rows <= 3072:
-        cfg = dict(block_t=32, num_warps=8, stages=3, chunks=2, unroll=1, loader_warps=4, maxnreg=80, ctas_per_sm=0)
-    elif rows <= 16384:
-        cfg = dict(block_t=64, num_warps=8, stages=3, chunks=1, unroll=1, loader_warps=4, maxnreg=80, ctas_per_sm=0)
-    elif n % 192 == 0 and out_dtype.itemsize == 2:  # three consumer warpgroups: 192 weight rows per CTA
-        cfg = dict(block_t=128, num_warps=12, stages=2, chunks=2, unroll=1, loader_warps=4, maxnreg=128, ctas_per_sm=1)
-    else:
-        cfg = dict(block_t=128, num_warps=8, stages=2, chunks=2, unroll=2, loader_warps=4, maxnreg=168, ctas_per_sm=1)
-        if out_dtype.itemsize > 2:
-            cfg.update(stages=3, chunks=1, unroll=1)
-    cfg.update(split=rows > 1024, mask_rows=True, narrow=rows > 1024)
-    # full tiles by TMA stores: persistent 128-weight-row CTAs (~1% at 131072 rows; 192 rows: no shared memory left)
-    cfg.update(tma_store=cfg.get("ctas_per_sm", 0) > 0 and cfg["num_warps"] == 8 and out_dtype.itemsize == 2)
-    if n % (ROWS_PER_WARPGROUP * cfg["num_warps"] // 4):  # N a multiple of 64 only: one warpgroup, one partition
-        cfg.update(block_t=min(cfg["block_t"], 64), num_warps=4, loader_warps=0, maxnreg=None, ctas_per_sm=0)
-        cfg.update(stages=3, chunks=1, unroll=1, split=False, narrow=False, tma_store=False)
-    return cfg
-
-
-def _codes_layout(num_warps: int) -> gl.DistributedLinearLayout:
+def codes_layout(num_warps: int) -> gl.DistributedLinearLayout:
     """Code bytes of a k-step as [rows, 8 scale blocks, 8 bytes]: a thread holds 16 contiguous bytes
     (two blocks) of rows g and g+8 of its warp's 16 rows (lane = 4g + t, bytes 16t..16t+15)."""
     warps = [[16 << i, 0, 0] for i in range((num_warps // 4).bit_length() + 1)]
@@ -159,8 +52,6 @@ def _codes_layout(num_warps: int) -> gl.DistributedLinearLayout:
 
 # Triton 3.6 spells the CTA barrier thread_barrier, 3.8 barrier
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-_PTX_LO = gl.constexpr(_nibble_ptx(False))
-_PTX_HI = gl.constexpr(_nibble_ptx(True))
 
 
 @gluon.jit
@@ -178,8 +69,8 @@ def _decode_a(c, sc, BNW: gl.constexpr, A_LAYOUT: gl.constexpr):
     """Code bytes u8 [BNW, 8, 8] and scale bytes u8 [BNW, 8] of one k-step -> fp16 [BNW, 128]
     value * s_b * 2^-7 in wgmma's register-operand layout (no data movement: asserted)."""
     s16 = gl.expand_dims(sc.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0, 2)
-    lo = gl.inline_asm_elementwise(_PTX_LO, "=r,=r,r", [c], dtype=gl.float16, is_pure=True, pack=4) * s16
-    hi = gl.inline_asm_elementwise(_PTX_HI, "=r,=r,r", [c], dtype=gl.float16, is_pure=True, pack=4) * s16
+    lo = gl.inline_asm_elementwise(PTX_LO, "=r,=r,r", [c], dtype=gl.float16, is_pure=True, pack=4) * s16
+    hi = gl.inline_asm_elementwise(PTX_HI, "=r,=r,r", [c], dtype=gl.float16, is_pure=True, pack=4) * s16
     v = gl.reshape(gl.join(lo, hi), [BNW, 2, 2, 2, 2, 2, 2, 2])  # n, t1, t0, w1, w0, q1, q0, s
     v = gl.reshape(gl.permute(v, [0, 3, 4, 7, 5, 1, 2, 6]), [BNW, 128])  # n, w1, w0, s, q1, t1, t0, q0
     return gl.convert_layout(v, A_LAYOUT, assert_trivial=True)
@@ -318,7 +209,7 @@ def _store_tile_tma(acc, sa, sw, y_ptr, y_desc, y_buf, t0, n0, row_end, N, BT: g
 
 
 @gluon.jit
-def _w4a4_wgmma_kernel(
+def w4a4_wgmma_kernel(
     a_ptr,
     asdec_ptr,
     w_ptr,
@@ -380,7 +271,7 @@ def _w4a4_wgmma_kernel(
     for run in range(NK // UNROLL):
         # UNROLL k-steps of straight-line code: each chunk's decode overlaps the previous chunk's
         # wgmma (wait(1)); the run ends with wait(0), so no wgmma is in flight across the back edge
-        # (there ptxas reused the register operand while wgmma still read it; see sass_hazards)
+        # (there ptxas may reuse the register operand while wgmma still reads it; see sass_check)
         for uu in gl.static_range(UNROLL):
             kk = run * UNROLL + uu
             slot = kk % STAGES
@@ -613,12 +504,11 @@ def _ws_consumer(
 ):
     """Consumer partition (NW warps, 64 weight rows per warpgroup, from the slot's row ROW0: split
     consumers are one partition per warpgroup; CTA_ROWS: the CTA's weight rows, all partitions): each of
-    this CTA's tiles by _ws_tile. NARROW: a tile
-    whose expert has at most BT / 2 rows left runs half-width wgmmas (the slot's first BT / 2 activation
-    rows; the rest are padding) and a half-width epilogue. OVERLAP needs registers for two decoded
-    chunks: at the 104 consumer registers of a two-CTAs-per-SM launch ptxas serializes every wgmma
-    instead (128 sufficed at BT32, 176 at BT64, 240 at BT128; sass_wgmma.py). y_desc (not None): tiles
-    leave by TMA bulk stores (_store_tile_tma), the last one waited for before the partition ends."""
+    this CTA's tiles by _ws_tile. NARROW: a tile whose expert has at most BT / 2 rows left runs half-width
+    wgmmas (the slot's first BT / 2 activation rows; the rest are padding) and a half-width epilogue.
+    OVERLAP needs registers for two decoded chunks (with too few, ptxas serializes every wgmma). y_desc
+    (not None): tiles leave by TMA bulk stores (_store_tile_tma), the last one waited for before the
+    partition ends."""
     _wait_then_release(PDL)
     n_tiles = N // CTA_ROWS  # N tiles of the CTA's weight rows (all consumer partitions)
     it = 0  # k-steps consumed by this CTA so far
@@ -639,7 +529,7 @@ def _ws_consumer(
 
 
 @gluon.jit
-def _w4a4_wgmma_ws_kernel(
+def w4a4_wgmma_ws_kernel(
     a_ptr,
     asdec_ptr,
     w_ptr,
@@ -670,7 +560,7 @@ def _w4a4_wgmma_ws_kernel(
     STAGED: gl.constexpr,
     PDL: gl.constexpr,
 ):
-    """Warp-specialized variant of _w4a4_wgmma_kernel (KC 128-K chunks per ring slot, 1-step runs): LW
+    """Warp-specialized variant of w4a4_wgmma_kernel (KC 128-K chunks per ring slot, 1-step runs): LW
     loader warps fill the ring by cp.async and per-slot mbarriers, the NW consumer warps only decode and
     issue wgmma; no CTA-wide barrier. Triton puts a partition-wide barrier before every mbarrier wait,
     so one consumer partition's warpgroups move in step; SPLIT (NW 8 or 12) makes each warpgroup its own
@@ -680,11 +570,11 @@ def _w4a4_wgmma_ws_kernel(
     tiles with at most BT / 2 rows left run half-width wgmmas (see _ws_consumer). Tiles (row
     tile, N tile; N fastest) t = program_id, program_id + P, ...: P = the grid, one tile per CTA when it
     covers them all, else persistent CTAs whose ring runs on from one tile into the next. STAGED
-    (persistent CTAs): the loader stages each tile's S_dec_a in shared memory for the consumers' epilogue
-    (its row -> token -> scale loads stalled the consumers at every tile's end, with the ring running
-    on: 1596 -> 1532 us at 131072 rows on the H200); one tile per CTA loads them in the epilogue (at
-    2048 rows staging lost: 101.7 -> 105.0 us). y_desc (SPLIT; None: plain stores): a TMA descriptor of y in
-    [BT, 64] boxes; each consumer warpgroup stages its output in a shared [BT, 64] buffer (_store_tile_tma)."""
+    (persistent CTAs): the loader stages each tile's S_dec_a in shared memory for the consumers' epilogue,
+    so that its dependent loads (row -> token -> scale) do not stall the consumers at every tile's end;
+    one tile per CTA loads them in the epilogue. y_desc (SPLIT; None: plain stores): a TMA descriptor of
+    y in [BT, 64] boxes; each consumer warpgroup stages its output in a shared [BT, 64] buffer
+    (_store_tile_tma)."""
     BNW: gl.constexpr = 64 * (NW // 4)
     b_smem, w_smem, s_smem = _alloc_ring(STAGES * KC, BT, BNW)  # buffer slot * KC + chunk
     # tiles' S_dec_a (STAGED): the loader writes tile i + SA_BUFS's after waiting for the ring slot of its first
@@ -746,238 +636,3 @@ def _w4a4_wgmma_ws_kernel(
             [LW],
             [LOADER_REGS],
         )  # fmt: skip
-
-
-def ws_loader_regs(block_t: int, loader_warps: int, chunks: int = 1, cta_rows: int = 128) -> int:
-    """Registers per thread of the loader warps: one int32 offset per 16-byte activation copy (BT * 16 /
-    (32 * loader_warps) per thread) plus the code and scale offsets, and a second chunk's bases (8 more
-    but at 5-8 copies), 8 more for 192 weight rows (copied in 64-row pieces); without spills outside the
-    register handoff (sass_wgmma.py, sm_90)."""
-    copies = block_t * 16 // (32 * loader_warps)
-    regs = (40 if copies <= 4 else 48 if copies <= 8 else 88) + (8 if chunks == 2 and copies not in range(5, 9) else 0)
-    return regs + (8 if cta_rows == 192 else 0)
-
-
-def ws_consumer_regs(maxnreg: int | None, loader_warps: int, loader_regs: int, consumer_warps: int = 8) -> int:
-    """Registers per thread of the second (and third) consumer warpgroup of a split warp-specialized launch: an
-    equal share (a multiple of 8) of what the launch's cap leaves after the loader; the first warpgroup gets the
-    rest. Without a cap, the register file of one CTA per SM."""
-    threads = 32 * (consumer_warps + loader_warps)
-    budget = (maxnreg or 65536 // threads // 8 * 8) * threads - 32 * loader_warps * loader_regs
-    return budget // (32 * consumer_warps) // 8 * 8
-
-
-def ws_launch_consts(
-    block_t: int, num_warps: int, chunks: int, loader_warps: int, maxnreg: int | None, split: bool
-) -> dict:
-    """The warp-specialized kernel's launch constants that follow from its tile: loader warps and their
-    registers, split consumers and the second warpgroup's registers, the code layout of one consumer
-    partition and the launch's warps (split: the first consumer warpgroup's; the second one and the
-    loader are workers)."""
-    loader_regs = ws_loader_regs(block_t, loader_warps, chunks, ROWS_PER_WARPGROUP * num_warps // 4)
-    partition_warps = 4 if split else num_warps
-    return dict(
-        LW=loader_warps,
-        LOADER_REGS=loader_regs,
-        SPLIT=split,
-        CONSUMER_REGS=ws_consumer_regs(maxnreg, loader_warps, loader_regs, num_warps) if split else 0,
-        CODES_LAYOUT=_codes_layout(partition_warps),
-        num_warps=partition_warps,
-    )
-
-
-def ws_overlap(chunks: int, unroll: int) -> bool:
-    """Whether the warp-specialized kernel (1-step runs) keeps a slot's first chunk's wgmma in flight under
-    the second one's decode: asked for by unroll > 1, possible with 2 chunks per slot."""
-    return chunks == 2 and unroll > 1
-
-
-def faster_than_triton(rows: int) -> bool:
-    """Whether this GEMM beat the Triton GEMM (w4a4_grouped) at this many grouped rows in the H200
-    sweeps (2026-12-02, Qwen3-30B-A3B fc1): not at <= 1024 rows (73 / 93 us vs 64 / 91 us at 128 /
-    512 rows; session 9, rows past an expert zero-filled: 68.4 / 91.7 vs 65.9 / 92.6, a tie), 5-8%
-    faster from 2048 rows up (session 9: 22-31%). moe_w4a4's impl='auto' follows it."""
-    return rows > 1024
-
-
-def run_length(k: int, chunks: int, unroll: int) -> int:
-    """k-steps per straight-line run: the largest divisor of the K loop's steps that is <= unroll and
-    leaves at least two runs (a single-run loop does not lower in Triton 3.6)."""
-    steps = k // (CHUNK * chunks)
-    return max(d for d in range(1, max(1, min(unroll, steps // 2)) + 1) if steps % d == 0)
-
-
-_SASS_CHECKED: dict[str, list[str] | None] = {}  # compiled kernel hash -> hazards (None: SASS unreadable)
-_ONE_STEP_RUNS: set[tuple] = set()  # tiles whose multi-step runs (or in-slot overlap) were unsafe or unverifiable
-
-
-def _register_hazards(kernel) -> list[str] | None:
-    """sass_hazards on a compiled kernel, once per compiled variant (a disassembly takes ~0.1-1 s); None
-    where its SASS cannot be read (disassemble: the cuobjdump Triton bundles, on the whole cubin)."""
-    key = getattr(kernel, "hash", None) or str(id(kernel))
-    if key not in _SASS_CHECKED:
-        try:
-            sass = disassemble(kernel.asm["cubin"])
-        except (OSError, RuntimeError, subprocess.CalledProcessError):
-            sass = None
-        _SASS_CHECKED[key] = None if sass is None else wgmma_register_hazards(sass)
-    return _SASS_CHECKED[key]
-
-
-def grouped_w4a4_wgmma(
-    values: torch.Tensor,
-    global_decode: torch.Tensor,
-    offs: torch.Tensor,
-    w_codes: torch.Tensor,
-    w_scales: torch.Tensor,
-    w_sdec: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16,
-    a_rows: torch.Tensor | None = None,
-    block_t: int | None = None,
-    num_warps: int | None = None,
-    stages: int | None = None,
-    chunks: int | None = None,
-    unroll: int | None = None,
-    maxnreg: int | None = None,
-    loader_warps: int | None = None,
-    ctas_per_sm: int | None = None,
-    split: bool | None = None,
-    mask_rows: bool | None = None,
-    narrow: bool | None = None,
-    tma_store: bool | None = None,
-    tiles: RowTiles | None = None,
-) -> torch.Tensor:
-    """y [rows, N] = S_dec_a * S_dec_w[e] * (A @ W_e^T) for the grouped rows of offs (see grouped_w4a4).
-
-    values: fp16 [M, K] activation operand in the "wgmma" order; global_decode: fp32 [M] or [M, 1]; w_codes u8 [E,
-    N, K/2], w_scales u8 [E, N, K/16], w_sdec fp32 [E] (may be strided); a_rows: optional token index of each
-    grouped row. Tiles default to wgmma_config(rows, N, out_dtype); chunks: 128-K chunks per pipeline step (1 or 2;
-    1 where K is not a multiple of 256); unroll: k-steps per straight-line run (run_length); maxnreg: a register cap
-    per thread (None: ptxas decides; the warp-specialized kernel's cap is the launch's, split between its
-    partitions); loader_warps: > 0 runs the warp-specialized kernel with that many cp.async loader warps (1-step
-    runs; there unroll > 1 with 2 chunks keeps each slot's first chunk's wgmma in flight under the second one's
-    decode; 0 the single-partition kernel); ctas_per_sm: its CTAs persist, SMs * ctas_per_sm of them looping over
-    the tiles, the loader staging each tile's epilogue scales in shared memory (0: one CTA per tile); split: its two
-    consumer warpgroups (num_warps 8) run as two partitions, each on its own 64 weight rows of every slot, instead
-    of one partition kept in step by a barrier per k-step (ws_consumer_regs: their register share); mask_rows:
-    activation rows past an expert's rows are zero-filled by the copy instead of read from row 0 (every CTA with a
-    partial tile re-reads that one row; at 256 tokens half of each tile's rows; None: wgmma_config's, on); narrow
-    (warp-specialized kernel, block_t >= 32): a tile whose expert has at most block_t / 2 rows left runs half-width
-    wgmmas and epilogue (at 256 tokens about half the tiles; None: wgmma_config's for the configured kernel
-    (loader_warps not given) with block_t >= 32, off for tiles given with loader warps); tiles: RowTiles of offs in
-    block_t-row tiles made beforehand (w4a4_grouped.row_tiles, or the activation operand's .tiles; block_rows must
-    be this call's block_t); None: one tile_map launch here; tma_store (split consumers, bf16/fp16 output): each
-    consumer warpgroup stages a full tile's output in shared memory and leaves it to one TMA bulk store (partial
-    tiles: masked stores from that buffer; None: wgmma_config's for the configured kernel, off for tiles given
-    with loader warps).
-
-    Each compiled tile's SASS is checked once (sass_hazards): multi-step runs whose wgmma register
-    operand could be rewritten in flight (or whose SASS cannot be read) fall back to 1-step runs,
-    with a warning; a hazard there too raises RuntimeError.
-    """
-    e_count, n, k_half = w_codes.shape
-    k = 2 * k_half
-    if values.dim() != 2 or values.shape[1] != k or values.dtype != torch.float16:
-        raise ValueError(f"wgmma operand must be fp16 [M, {k}], got {values.dtype} {tuple(values.shape)}")
-    if not usable(w_codes.device, n, k):
-        raise ValueError(
-            f"the Hopper wgmma GEMM needs an sm_90 GPU, K % 128 == 0, K >= 256 and N % 64 == 0 (N={n}, K={k})"
-        )
-    m, offs, a_rows = grouped_rows(values.shape[0], offs, a_rows, e_count, w_codes.device)
-    cfg = wgmma_config(m, n, out_dtype)
-    block_t = block_t or cfg["block_t"]
-    num_warps = num_warps or cfg["num_warps"]
-    stages = stages or cfg["stages"]
-    chunks = chunks or cfg["chunks"]
-    if loader_warps is None:  # the configured kernel, with its register cap, persistence and consumers
-        loader_warps, maxnreg = cfg.get("loader_warps", 0), maxnreg or cfg.get("maxnreg")
-        ctas_per_sm = cfg.get("ctas_per_sm", 0) if ctas_per_sm is None else ctas_per_sm
-        split = cfg.get("split", False) if split is None and num_warps == cfg["num_warps"] else split
-        narrow = cfg["narrow"] and block_t >= 32 if narrow is None else narrow  # config's narrow: loader warps
-        tma_store = cfg["tma_store"] and bool(split) if tma_store is None else tma_store
-    split, mask_rows, narrow = bool(split), cfg["mask_rows"] if mask_rows is None else bool(mask_rows), bool(narrow)
-    tma_store = bool(tma_store)
-    if k % (CHUNK * chunks) or (loader_warps and k // (CHUNK * chunks) < 2):  # a 1-step K loop does not lower
-        chunks = 1
-    overlap = bool(loader_warps) and ws_overlap(chunks, unroll or cfg["unroll"])
-    unroll = 1 if loader_warps else run_length(k, chunks, unroll or cfg["unroll"])
-    min_stages = 2 if unroll == 1 else 3  # at least one k-step in flight ahead (see AHEAD in the kernel)
-    warps_ok = (4, 8, 12, 16) if loader_warps else (4, 8)
-    bad_warps = num_warps not in warps_ok or n % (ROWS_PER_WARPGROUP * num_warps // 4)
-    bad_loader = loader_warps not in (0, 1, 2, 4) or 32 * loader_warps > ROWS_PER_WARPGROUP * num_warps // 4
-    bad_split = (split and (not loader_warps or num_warps not in (8, 12))) or (num_warps == 12 and not split)
-    bad_narrow = narrow and (not loader_warps or block_t < 32)
-    bad_tma = tma_store and (not split or out_dtype.itemsize != 2)
-    if bad_warps or stages < min_stages or chunks not in (1, 2) or bad_loader or bad_split or bad_narrow or bad_tma:
-        raise ValueError(
-            f"bad tiles: num_warps={num_warps} (4 or 8, 12 or 16 with loader warps; N % (16 * warps) == 0), "
-            f"stages={stages} (>= {min_stages} with {unroll}-step runs), chunks={chunks} (1 or 2), loader_warps="
-            f"{loader_warps} (0, 1, 2 or 4, at most one per 32 weight rows of a CTA), split={split} (with "
-            f"loader warps and num_warps 8 or 12; 12 needs it), narrow={narrow} (with loader warps and block_t >= 32 "
-            f"only), tma_store={tma_store} (split consumers and a 2-byte output only)"
-        )
-    dev = w_codes.device
-    tiles = gemm_row_tiles(tiles, offs, block_t, m)
-    y = torch.empty((m, n), dtype=out_dtype, device=dev)
-    grid = (n // (ROWS_PER_WARPGROUP * num_warps // 4), tiles.table.shape[0])  # row tiles: an upper bound
-    args = (
-        values,
-        global_decode.reshape(-1).float(),
-        w_codes,
-        w_scales,
-        w_sdec,
-        tiles.table,
-        offs if a_rows is None else a_rows,
-        y,
-        n,
-        w_sdec.stride(0),
-    )
-    consts = dict(K=k, HAS_AROWS=a_rows is not None, BT=block_t, MASK_ROWS=mask_rows)
-    consts.update(STAGES=stages, NW=num_warps, CODES_LAYOUT=_codes_layout(num_warps), num_warps=num_warps)
-    consts.update(pdl.launch_options(dev))
-    if maxnreg:
-        consts["maxnreg"] = maxnreg
-    if loader_warps:
-        staged = bool(ctas_per_sm)  # persistent CTAs stage the epilogue's scales
-        consts.update(KC=chunks, A_I64=values.shape[0] * k >= 2**31, NARROW=narrow, STAGED=staged)
-        consts.update(ws_launch_consts(block_t, num_warps, chunks, loader_warps, maxnreg, split))
-        tiles_ub = grid[0] * grid[1]  # row tiles are known on the device only: their upper bound
-        p = min(tiles_ub, _sm_count(dev) * ctas_per_sm) if ctas_per_sm else tiles_ub
-        tile = ("ws", k, a_rows is not None, block_t, stages, num_warps, loader_warps, maxnreg, out_dtype)
-        tile += (split, mask_rows, narrow, staged, tma_store)
-        y_desc = TensorDescriptor.from_tensor(y, [block_t, 64], y_box_layout(block_t)) if tma_store else None
-        ws_args = (*args[:8], y_desc, *args[8:], p)
-        _launch_verified(
-            lambda risky: _w4a4_wgmma_ws_kernel[(p,)](*ws_args, OVERLAP=risky, **consts),
-            overlap,
-            tile,
-            "in-slot overlap",
-            "retiring each chunk",
-        )
-        return y
-    consts["KC"] = chunks
-    tile = (k, a_rows is not None, block_t, stages, chunks, num_warps, maxnreg, out_dtype, unroll, mask_rows)
-    _launch_verified(
-        lambda risky: _w4a4_wgmma_kernel[grid](*args, UNROLL=unroll if risky else 1, **consts),
-        unroll > 1,
-        tile,
-        f"{unroll}-step runs",
-        "using 1-step runs",
-    )
-    return y
-
-
-def _launch_verified(launch, risky: bool, tile: tuple, what: str, safe: str) -> None:
-    """launch(risky) -> the compiled kernel, its SASS checked (sass_hazards). risky: the form that keeps
-    a wgmma in flight under the next decode (multi-step runs, in-slot overlap). Where that form shows a
-    register hazard or its SASS cannot be read: warn, remember the tile (never risky again) and relaunch
-    the safe form; a hazard there raises RuntimeError rather than return a wrong tile."""
-    risky = risky and tile not in _ONE_STEP_RUNS
-    found = _register_hazards(launch(risky))
-    if risky and found != []:
-        why = "its SASS could not be read" if found is None else f"{len(found)} register hazards"
-        warnings.warn(f"Gluon GEMM: {what} not verified ({why}); {safe}", stacklevel=3)
-        _ONE_STEP_RUNS.add(tile)
-        found = _register_hazards(launch(False))
-    if found:
-        raise RuntimeError(f"wgmma register hazard in the compiled Gluon GEMM (sass_hazards): {found[:3]}")

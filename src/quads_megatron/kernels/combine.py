@@ -1,8 +1,8 @@
-"""Top-k combine of grouped expert outputs in one Triton kernel (the tail of quads_megatron.moe_w4a4).
+"""Top-k combine of grouped expert outputs in one Triton kernel (the tail of rollout.moe_block.moe_w4a4).
 
 out[t] = sum_j w[t, j] * y[pos[t*k + j]]  for local experts (0 <= ids[t, j] < E), in slot order j = 0..k-1,
 products and sums in fp32 (no FMA contraction), rounded once to the output dtype: the same arithmetic
-as moe_w4a4.combine(...).to(dtype) without its [T*k, H] fp32 scratch tensors.
+as rollout.moe_block.combine(...).to(dtype) without its [T*k, H] fp32 scratch tensors.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from quads_megatron.kernels import pdl
+from quads_megatron.kernels.fp4_device import round_bf16
 from quads_megatron.kernels.pdl import wait_then_release
-from quads_megatron.kernels.w4a4_grouped import round_bf16
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def combine(
     num_experts: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """y_grouped [T*k, H] (rows in moe_w4a4.route order), order int64 [T*k], topk_ids/topk_weights
+    """y_grouped [T*k, H] (rows in rollout.moe_block.route order), order int64 [T*k], topk_ids/topk_weights
     [T, k] -> [T, H] in out_dtype (bf16/fp16/fp32). Slots of foreign experts contribute nothing."""
     t, k = topk_ids.shape
     h = y_grouped.shape[1]

@@ -1,0 +1,211 @@
+"""The kernels' tile configs: the validated dataclasses, the data files (configs/*.json) and their lookup,
+and the kernels package's import rules. The data's values are the tuning's business: these tests check
+that every shipped tile is valid, that every bucket is covered and that bad tiles or files are refused."""
+
+import ast
+import copy
+import itertools
+import json
+import pathlib
+
+import pytest
+import torch
+
+from quads_megatron.errors import KernelConfigError
+from quads_megatron.kernels import tile_configs
+from quads_megatron.kernels.tile_configs import ActQuantConfig, TritonGemmConfig, WgmmaConfig
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FACTS = {  # values of each condition a lookup is asked about
+    "n": [64, 128, 192, 256, 384, 576, 1536, 2048, 4096, 4160],
+    "out_bytes": [2, 4],
+    "rac": [False, True],
+    "gated": [False, True],
+}
+
+
+def _rows_grid(rules: list[dict]) -> list[int]:
+    edges = {r.get(key, 0) for r in rules for key in ("max_rows", "min_rows")} | {0, 1}
+    return sorted({max(e + d, 0) for e in edges for d in (-1, 0, 1)} | {10 * max(edges) + 7})
+
+
+def _fact_grid(kind: str):
+    fact_of = {"n_multiple_of": "n", "out_bytes": "out_bytes", "rac": "rac", "gated": "gated"}
+    names = [fact_of[c] for c in tile_configs.CONDITIONS[kind] if c in fact_of]
+    for values in itertools.product(*(FACTS[c] for c in names)):
+        yield dict(zip(names, values, strict=True))
+
+
+@pytest.mark.parametrize("kind", tile_configs.KINDS)
+def test_every_shipped_tile_is_valid_and_every_bucket_is_covered(kind):
+    """The data file reads (load_table checks it), every tile builds its dataclass, and within each row
+    bucket (a max_rows value) every combination of the other facts finds a rule of that bucket: no shape
+    falls through to another bucket's tile."""
+    table = tile_configs.load_table(kind)
+    cls = {"triton_gemm": TritonGemmConfig, "wgmma_gemm": WgmmaConfig, "act_quant": ActQuantConfig}[kind]
+    for device, entry in table["devices"].items():
+        rules = entry["rules"]
+        for rule in rules:
+            cls(**rule["tile"])
+        buckets = sorted({r["max_rows"] for r in rules if "max_rows" in r})
+        for rows in _rows_grid(rules):
+            for facts in _fact_grid(kind):
+                facts = {**facts, "rows": rows}
+                rule = next((r for r in rules if tile_configs.rule_holds(r, facts)), None)
+                assert rule is not None, (device, facts)
+                bucket = next((b for b in buckets if rows <= b), None)
+                assert rule.get("max_rows") == bucket, (device, facts, rule)
+
+
+def test_lookups_give_their_dataclass_for_every_shape():
+    """The lookups on a dense grid: valid configs (the Triton GEMM's block_k the largest power of two up
+    to the rule's that divides K; the activation quantization's block_k covering K with dynamic RAC)."""
+    for rows, k in itertools.product([0, 1, 100, 4096, 4097, 16384, 16385, 10**6], range(16, 8193, 16)):
+        cfg = tile_configs.triton_gemm_config(rows, k)
+        ceiling = tile_configs.match_rule("triton_gemm", rows=rows)[1]["tile"]["block_k"]
+        assert k % cfg.block_k == 0 and cfg.block_k <= ceiling
+        assert cfg.block_k * 2 > ceiling or k % (cfg.block_k * 2)
+        for plan, dynamic, gated in itertools.product((False, True), repeat=3):
+            if plan and dynamic:
+                continue
+            a = tile_configs.act_quant_config(rows, k, plan, dynamic, gated)
+            assert isinstance(a, ActQuantConfig) and None not in (a.block_m, a.block_k, a.num_warps)
+            assert not dynamic or a.block_k >= k
+    for rows, n, dtype in itertools.product([1, 1025, 20000], FACTS["n"], (torch.bfloat16, torch.float32)):
+        assert isinstance(tile_configs.wgmma_config(rows, n, dtype), WgmmaConfig)
+        assert isinstance(tile_configs.wgmma_faster_than_triton(rows), bool)
+    given = ActQuantConfig(block_m=8)  # fields given win, the others are tuned
+    assert tile_configs.act_quant_config(64, 256, False, False, False, given=given).block_m == 8
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: TritonGemmConfig(block_m=24), "block_m=24"),
+        (lambda: TritonGemmConfig(block_k=8), "block_k=8"),
+        (lambda: TritonGemmConfig(num_warps=3), "num_warps=3"),
+        (lambda: TritonGemmConfig(num_stages=0), "num_stages=0"),
+        (lambda: TritonGemmConfig(block_n=64.0), "must be an int"),
+        (lambda: WgmmaConfig(block_t=24, num_warps=8, stages=3), "block_t=24"),
+        (lambda: WgmmaConfig(block_t=16, num_warps=12, stages=3), "num_warps=12"),
+        (lambda: WgmmaConfig(block_t=16, num_warps=8, stages=1), "stages=1"),
+        (lambda: WgmmaConfig(block_t=16, num_warps=8, stages=3, chunks=3), "chunks=3"),
+        (lambda: WgmmaConfig(block_t=16, num_warps=4, stages=3, loader_warps=4), "loader_warps=4"),
+        (lambda: WgmmaConfig(block_t=16, num_warps=8, stages=3, maxnreg=512), "maxnreg=512"),
+        (lambda: WgmmaConfig(block_t=16, num_warps=8, stages=3, ctas_per_sm=1), "ctas_per_sm=1"),
+        (lambda: WgmmaConfig(block_t=16, num_warps=8, stages=3, split=True), "split=True"),
+        (lambda: WgmmaConfig(block_t=16, num_warps=8, stages=3, narrow=True), "narrow=True"),
+        (lambda: WgmmaConfig(block_t=16, num_warps=8, stages=3, tma_store=True), "tma_store=True"),
+        (lambda: WgmmaConfig(block_t=16, num_warps=8, stages=3, split=1), "must be a bool"),
+        (lambda: ActQuantConfig(block_m=3), "block_m=3"),
+        (lambda: ActQuantConfig(block_k=48), "block_k=48"),
+        (lambda: ActQuantConfig(num_warps=32), "num_warps=32"),
+    ],
+)
+def test_config_objects_refuse_tiles_the_kernels_cannot_run(make, match):
+    with pytest.raises(KernelConfigError, match=match) as e:
+        make()
+    assert "\n" not in str(e.value)
+
+
+def _table(kind: str) -> dict:
+    return copy.deepcopy(tile_configs.load_table(kind))
+
+
+def _bad_tables():
+    t = _table("triton_gemm")
+    t["default_device"] = "NVIDIA_B300"
+    yield "triton_gemm", t, "default_device"
+    t = _table("triton_gemm")
+    t["devices"]["NVIDIA_H200"]["rules"][0]["n_multiple_of"] = 64  # not a condition of this kind
+    yield "triton_gemm", t, "rule 0: needs a 'tile'; unknown keys {'n_multiple_of'}"
+    t = _table("triton_gemm")
+    t["devices"]["NVIDIA_H200"]["rules"][1]["tile"]["block_n"] = 96
+    yield "triton_gemm", t, "rule 1: TritonGemmConfig.block_n=96"
+    t = _table("triton_gemm")
+    t["devices"]["NVIDIA_H200"]["rules"][-1]["max_rows"] = 10**9
+    yield "triton_gemm", t, "the last rule must have no conditions"
+    t = _table("wgmma_gemm")
+    t["devices"]["NVIDIA_H200"]["rules"][2]["tile"]["warps"] = 8
+    yield "wgmma_gemm", t, "rule 2: .*unexpected keyword argument 'warps'"
+    t = _table("wgmma_gemm")
+    del t["devices"]["NVIDIA_H200"]["faster_than_triton_above_rows"]
+    yield "wgmma_gemm", t, "faster_than_triton_above_rows"
+    t = _table("act_quant")
+    t["devices"]["NVIDIA_H200"]["rules"][0]["tile"]["block_k"] = 128
+    yield "act_quant", t, "an act_quant tile is block_m, num_warps"
+    t = _table("act_quant")
+    t["devices"]["NVIDIA_H200"]["chunk_k"] = 500
+    yield "act_quant", t, "power-of-two chunk_k"
+
+
+@pytest.mark.parametrize("kind, table, match", list(_bad_tables()))
+def test_a_bad_data_file_is_refused_naming_what_is_wrong(kind, table, match):
+    with pytest.raises(KernelConfigError, match=match) as e:
+        tile_configs.check_table(kind, table, "configs/x.json")
+    assert str(e.value).startswith("configs/x.json: ") and "\n" not in str(e.value)
+
+
+def test_an_unreadable_data_file_is_refused_with_its_path(monkeypatch, tmp_path):
+    path = tmp_path / "triton_gemm.json"
+    path.write_text("{not json")
+    monkeypatch.setattr(tile_configs, "config_path", lambda kind: str(path))
+    tile_configs.load_table.cache_clear()
+    try:
+        with pytest.raises(KernelConfigError, match=f"{path}: cannot be read as JSON"):
+            tile_configs.triton_gemm_config(16, 128)
+    finally:
+        tile_configs.load_table.cache_clear()
+
+
+def test_a_named_device_gets_its_entry_and_others_the_default(monkeypatch):
+    table = _table("triton_gemm")
+    other = copy.deepcopy(table["devices"]["NVIDIA_H200"])
+    other["rules"] = [{"tile": {"block_m": 32, "block_n": 32, "block_k": 32, "num_warps": 2, "num_stages": 1}}]
+    table["devices"]["NVIDIA_B300"] = other
+    tile_configs.check_table("triton_gemm", table, "test")
+    monkeypatch.setattr(tile_configs, "load_table", lambda kind: table)
+    default = tile_configs.match_rule("triton_gemm", "cpu", rows=16)[1]["tile"]
+    assert tile_configs.triton_gemm_config(16, 256, "cpu") == TritonGemmConfig(**{**default, "block_k": 256})
+    monkeypatch.setattr(tile_configs, "device_key", lambda device: "NVIDIA_B300")
+    assert tile_configs.triton_gemm_config(16, 256, "cuda") == TritonGemmConfig(32, 32, 32, 2, 1)
+    monkeypatch.setattr(tile_configs, "device_key", lambda device: "NVIDIA_A100")
+    assert tile_configs.triton_gemm_config(16, 256, "cuda") == TritonGemmConfig(**{**default, "block_k": 256})
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return out
+
+
+def test_kernels_import_the_contract_not_the_torch_reference_and_tests_not_dev():
+    """Kernels may import the NVFP4 contract, the errors, the RAC plan types and each other, never the
+    torch reference (or anything else of the package); no test reaches into dev/ (or edits sys.path)."""
+    allowed = ("quads_megatron.kernels", "quads_megatron.nvfp4", "quads_megatron.errors")
+    allowed += ("quads_megatron.rollout.rac_plan",)
+    for path in sorted((ROOT / "src" / "quads_megatron" / "kernels").glob("*.py")):
+        for name in _imports(path):
+            assert name == "quads_megatron" or not name.startswith("quads_megatron") or name.startswith(allowed), (
+                path.name,
+                name,
+            )
+    dev = {p.stem for p in (ROOT / "dev").glob("*.py")}
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        sys_path = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "path"
+                    and isinstance(n.value, ast.Name) and n.value.id == "sys"]  # fmt: skip
+        assert not sys_path, path.name
+        assert not {n.split(".")[0] for n in _imports(path)} & dev, path.name
+
+
+def test_data_files_are_package_data():
+    """The JSON files ship with the package (pyproject's package-data) and are found where the loader looks."""
+    text = (ROOT / "pyproject.toml").read_text()
+    assert '"quads_megatron.kernels" = ["configs/*.json"]' in text
+    for kind in tile_configs.KINDS:
+        assert json.loads(pathlib.Path(tile_configs.config_path(kind)).read_text())["devices"]
