@@ -17,6 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "gpu"), os.path.join(HERE, "..", "benchmarks")]
 
 import bench_engine as be  # noqa: E402
+import bench_engine_model as bem  # noqa: E402
 import bench_moe_block as bmb  # noqa: E402
 import engine_ref as er  # noqa: E402
 import engine_worker as ew  # noqa: E402
@@ -154,8 +155,8 @@ def test_bench_checkpoint_matches_transformers_layout(tmp_path):
     from transformers import Qwen3MoeForCausalLM
 
     shape = {"hidden": 128, "moe_inter": 64, "experts": 8, "topk": 2, "heads": 4, "kv_heads": 2, "head_dim": 32}
-    cfg = be.model_config(2, 256, shape)
-    info = be.write_random_checkpoint(str(tmp_path / "direct"), cfg, "cpu")
+    cfg = bem.model_config(2, 256, shape)
+    info = bem.write_random_checkpoint(str(tmp_path / "direct"), cfg, "cpu")
     hf = write_checkpoint(tmp_path / "hf", {**cfg, "intermediate_size": 4 * 128}, seed=0)
 
     def layout(path):
@@ -179,12 +180,12 @@ def test_bench_prepare_writes_arm_folders(tmp_path):
     argv = ["--dry-run", "--layers", "2", "--check-layers", "1", "--vocab", "256", "--workdir", str(work)]
     assert be.main([*argv, "--out", str(out)]) == 0
     root = work / "tiny-L2-V256"
-    for arm in be.QUADS_ARMS:
+    for arm in bem.QUADS_ARMS:
         with open(root / arm / "hf_quant_config.json") as f:
             quads = json.load(f)["quads"]
         with open(root / arm / "config.json") as f:
             assert json.load(f)["quantization_config"]["quads"]["rollout"] == quads["rollout"]
-        assert quads["rollout"] == be.rollout_config(arm) and len(quads["rac_plans"]) == 2
+        assert quads["rollout"] == bem.rollout_config(arm) and len(quads["rac_plans"]) == 2
         assert all(os.path.islink(root / arm / n) for n in os.listdir(root / arm) if n.endswith(".safetensors"))
     sub = root / "quads_dyn_1layers"
     assert sorted(n for n in os.listdir(sub) if n.endswith(".safetensors")) == [
@@ -202,16 +203,16 @@ def test_bench_prepare_writes_arm_folders(tmp_path):
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep")
     with pytest.raises(RuntimeError, match="did not write"):
-        be.remove_own(str(foreign))
+        bem.remove_own(str(foreign))
     with pytest.raises(RuntimeError, match="not made by this benchmark"):
-        be.serving_dir(str(root / "nvfp4"), str(foreign))
+        bem.serving_dir(str(root / "nvfp4"), str(foreign))
     assert (foreign / "notes.txt").read_text() == "keep"
     if importlib.util.find_spec("sglang") is None:
         return
     from quads_megatron.integrations.sglang.method import QuadsNvfp4Config
 
     got = {}  # what the serving method reads from each arm's folder
-    for arm in be.QUADS_ARMS:
+    for arm in bem.QUADS_ARMS:
         with open(root / arm / "hf_quant_config.json") as f:
             cfg = QuadsNvfp4Config.from_config(json.load(f))
         rac = cfg.layer_rac("model.layers.1.mlp.experts", 256, 128)
@@ -231,8 +232,13 @@ def frag(batches: dict[str, float], steps: dict[str, float] | None = None) -> di
 
 
 def test_bench_results_merge_ratios_check_and_markdown(tmp_path):
-    args = be.parse_args(["--layers", "12", "--check-layers", "4", "--out", str(tmp_path), "--resume"])
-    res = be.load_results(args, str(tmp_path / "bench_engine.json"))
+    argv = ["--layers", "12", "--check-layers", "4", "--out", str(tmp_path), "--workdir", str(tmp_path / "w")]
+    args = be.parse_args([*argv, "--resume", str(tmp_path / "none.json")])
+    with pytest.raises(SystemExit, match="no such file"):
+        be.load_results(args)
+    args = be.parse_args([*argv, "--resume"])
+    res = be.load_results(args)  # nothing to resume from: afresh
+    assert res == {"settings": be.settings_of(args), "arms": {}}
     be.merge_arm(res, "fp8", frag({"16": 100.0}))
     be.merge_arm(res, "fp8", frag({"64": 400.0}))  # a later run adds a batch, keeps the first
     be.merge_arm(res, "bf16", frag({"16": 50.0, "64": 200.0}))
@@ -251,9 +257,11 @@ def test_bench_results_merge_ratios_check_and_markdown(tmp_path):
     assert "| 16 | 50 (50-50) | 100 (100-100) | 120 (120-120) |" in md and "| 64 | 1.50 | 0.75 |" in md
     assert "layers 90% of a step (GPU-bound)" in md
     be.finish(res, str(tmp_path / "bench_engine.json"), args)
-    args2 = be.parse_args(["--layers", "16", "--out", str(tmp_path), "--resume"])
+    assert be.load_results(args)["arms"] == res["arms"]  # resumed from OUT's file
+    os.remove(tmp_path / "bench_engine.json")
+    assert be.load_results(args)["arms"] == res["arms"]  # from the workdir's copy
     with pytest.raises(SystemExit, match="settings"):
-        be.load_results(args2, str(tmp_path / "bench_engine.json"))
+        be.load_results(be.parse_args([*argv, "--layers", "16", "--resume"]))
 
 
 @pytest.mark.parametrize(
