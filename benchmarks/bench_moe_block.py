@@ -239,6 +239,7 @@ class SGLangMoE:
         }  # fmt: skip
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(cfg, f)
+        torch.cuda.set_device(0)
         publish(ServerArgs(model_path=workdir, skip_tokenizer_init=True), role="scheduler")
         import socket
 
@@ -365,7 +366,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     ap.add_argument("--out", help="results folder (default: $OUT, else benchmarks/results; dry run: the workdir)")
     ap.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the floor (H200: 4.8 TB/s)")
-    ap.add_argument("--rep-ms", type=int, default=100, help="replay time per measurement (triton do_bench_cudagraph)")
+    ap.add_argument("--rep-ms", type=int, default=60, help="replay time per measurement (triton do_bench_cudagraph)")
     ap.add_argument("--check-rtol", type=float, default=5e-3, help="ours vs reference relative error bound")
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, reference path, no SGLang")
     ap.add_argument("--workdir", default="/tmp/quads_bench_moe_block", help="scratch (SGLang's model config)")
