@@ -29,6 +29,7 @@ of OUT/, the workdir's copy, benchmarks/results/) and skips the arms and batches
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -41,6 +42,8 @@ import bench_env  # noqa: E402
 from bench_engine_model import QUADS_ARMS, prepare  # noqa: E402
 
 ARMS = ("bf16", "fp8", *QUADS_ARMS, "layercheck")
+#: process groups of the arms running now (started with their own session: killed as a whole)
+RUNNING: set[int] = set()
 
 
 # ----------------------------------------------------------------------------- one arm (child process)
@@ -380,8 +383,17 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
+    import signal
+
     import torch
 
+    def stop(signum, frame):  # a timeout around this script must not leave an engine holding the GPU
+        for pgid in list(RUNNING):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
     args.device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
     if args.device == "cpu" and not (args.dry_run or args.prepare_only):
         print("bench_engine: engines need a CUDA GPU; use --dry-run or --prepare-only here", file=sys.stderr)
@@ -439,6 +451,7 @@ def run_child(arm: str, batches: list[int], model: str, args, log) -> dict:
             [sys.executable, os.path.abspath(__file__), "--child", spec_path],
             stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
+        RUNNING.add(proc.pid)
         timed_out = False
         try:
             proc.wait(timeout=args.arm_timeout)
@@ -451,6 +464,7 @@ def run_child(arm: str, batches: list[int], model: str, args, log) -> dict:
                     break
                 except (ProcessLookupError, subprocess.TimeoutExpired):
                     continue
+        RUNNING.discard(proc.pid)
     frag = {"ok": False, "error": f"no result (exit {proc.returncode}, {time.time() - t0:.0f} s)"}
     if os.path.exists(spec["fragment"]):
         with open(spec["fragment"]) as fh:

@@ -53,6 +53,23 @@ ENGINE_TIMEOUT_S, SERVER_TIMEOUT_S = 300, 300
 PREFILL_GRAPH_TOKENS = 1024  # prefill graphs up to the forced batch's 640 tokens: fewer captures at start
 LOADER = "quads_megatron.integrations.sglang.load_weights"
 REPORT: dict = {}
+#: engine and server processes running now (each the leader of its own session: stopped as a group)
+LIVE: set[subprocess.Popen] = set()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stop_children_on_sigterm():
+    """A timeout around pytest (SIGTERM) stops the engine or server it started, then pytest."""
+
+    def stop(signum, frame):
+        for proc in list(LIVE):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
+    yield
+    signal.signal(signal.SIGTERM, old)
 
 
 @contextlib.contextmanager
@@ -222,11 +239,14 @@ class Engines:
         cmd = [sys.executable, str(Path(ew.__file__)), str(spec_path), str(out_path)]
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+            LIVE.add(proc)
             try:
                 proc.wait(timeout=ENGINE_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 stop_group(proc)
                 return {"ok": False, "error": f"timed out after {ENGINE_TIMEOUT_S} s", "log": tail(log_path)}
+            finally:
+                LIVE.discard(proc)
         if not out_path.exists():
             return {"ok": False, "error": f"worker exited {proc.returncode} without output", "log": tail(log_path)}
         res = json.loads(out_path.read_text())
@@ -343,6 +363,7 @@ def test_launch_server_readme_command(root, ckpts, engines, ref):
         log_path = root / "server.log"
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+        LIVE.add(proc)
         try:
             url = f"http://127.0.0.1:{port}"
             try:
@@ -367,4 +388,5 @@ def test_launch_server_readme_command(root, ckpts, engines, ref):
             assert got == want, f"server {got} != engine {want}"
         finally:
             stop_group(proc)
+            LIVE.discard(proc)
         d["exit_code"] = proc.returncode
