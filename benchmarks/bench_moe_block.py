@@ -1,0 +1,434 @@
+"""Decode speed of the whole MoE expert block at Qwen3-30B-A3B expert shapes (128 experts, hidden 2048,
+moe intermediate 768, top-8), random routing, the same inputs for every arm, CUDA-graph replays:
+
+* ours: quads_megatron moe_w4a4(impl="auto"), W4A4 NVFP4 (what the quads_nvfp4 SGLang method runs);
+  ours_rac50: + dynamic RAC 50%; ours_rac50_static: + static RAC 50% plans (timing depends on the count);
+* sglang_fp8 / sglang_fp8_tensor / sglang_bf16: SGLang's own fused MoE as its engine runs it on Hopper
+  (fused_experts: moe_align_block_size, the tuned Triton GEMMs, fused SiLU*up, top-k sum) for FP8 w8a8
+  block [128, 128] weights, per-tensor FP8 weights (what quantization="fp8" makes online) and bf16;
+* torch_bf16: the same block on torch._grouped_mm (secondary).
+
+HBM floor per size: bytes of the experts the routing hits (NVFP4 codes + E4M3 block scales + global
+scales; FP8 and bf16 likewise) plus bf16 activations in and out, at --hbm-tbps. Once per size ours is
+checked against moe_w4a4(impl="reference"), and every arm's output against the bf16 block.
+
+    python benchmarks/bench_moe_block.py [--tokens 16,64,256,1024,4096,16384] [--out DIR]   # GPU, ~2-3 min
+    python benchmarks/bench_moe_block.py --dry-run     # CPU: tiny shapes, reference path, no SGLang, no timing
+
+Writes DIR/moe_block.json (rows + date/device/versions) and DIR/moe_block.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_env  # noqa: E402
+
+from quads_megatron import nvfp4  # noqa: E402
+from quads_megatron.config import RACConfig  # noqa: E402
+from quads_megatron.rollout import moe_block as moe  # noqa: E402
+from quads_megatron.rollout import reference  # noqa: E402
+from quads_megatron.rollout.rac_plan import RACPlan  # noqa: E402
+
+SHAPE = {"experts": 128, "hidden": 2048, "inter": 768, "topk": 8}
+TINY = {"experts": 8, "hidden": 256, "inter": 128, "topk": 2}
+TOKENS = (16, 64, 256, 1024, 4096, 16384)
+ARMS = ("ours", "ours_rac50", "ours_rac50_static", "sglang_fp8", "sglang_fp8_tensor", "sglang_bf16", "torch_bf16")
+FP8_BLOCK = 128
+
+
+# ----------------------------------------------------------------------------- pure parts
+
+
+def expert_bytes(fmt: str, hidden: int, inter: int) -> int:
+    """Bytes one expert's fc1 (gate|up, [2I, H]) and fc2 ([H, I]) weights occupy in HBM."""
+    elems = 2 * inter * hidden + hidden * inter
+    if fmt == "nvfp4":  # codes (2 per byte) + one E4M3 byte per 16 + an fp32 global scale per GEMM
+        return elems // 2 + elems // 16 + 2 * 4
+    if fmt == "fp8":  # FP8 codes + fp32 scales per 128x128 block
+        blocks = (2 * inter // FP8_BLOCK) * (hidden // FP8_BLOCK) + (hidden // FP8_BLOCK) * (inter // FP8_BLOCK)
+        return elems + 4 * blocks
+    if fmt == "bf16":
+        return 2 * elems
+    raise ValueError(f"unknown weight format {fmt!r}")
+
+
+def floor_us(fmt: str, active_experts: int, tokens: int, shape: dict, tbps: float) -> float:
+    """HBM floor (us): weights of the experts hit plus bf16 activations in and out, at tbps TB/s."""
+    nbytes = active_experts * expert_bytes(fmt, shape["hidden"], shape["inter"]) + tokens * shape["hidden"] * 2 * 2
+    return nbytes / (tbps * 1e12) * 1e6
+
+
+def ratios(row: dict) -> dict:
+    """Peer time / ours (> 1: ours faster) and ours as % of its HBM floor, for a row of times."""
+    out = {}
+    for ours in ("ours", "ours_rac50", "ours_rac50_static"):
+        t = row.get(f"{ours}_us")
+        if not t:
+            continue
+        for peer in ("sglang_fp8", "sglang_fp8_tensor", "sglang_bf16", "torch_bf16"):
+            if row.get(f"{peer}_us"):
+                out[f"{ours}_vs_{peer}"] = row[f"{peer}_us"] / t
+        out[f"{ours}_pct_floor"] = 100 * row["hbm_floor_us"] / t
+    if row.get("sglang_fp8_us"):
+        out["sglang_fp8_pct_floor"] = 100 * row["fp8_floor_us"] / row["sglang_fp8_us"]
+    return out
+
+
+def markdown(result: dict) -> str:
+    f = bench_env.fmt
+    s = result["shape"]
+    lines = [
+        "# Whole MoE expert block: quads W4A4 vs SGLang's fused MoE",
+        "",
+        *bench_env.header_lines(result),
+        "",
+        f"{s['experts']} experts, hidden {s['hidden']}, moe intermediate {s['inter']}, top-{s['topk']}, random",
+        "routing, the same inputs for every arm; medians of CUDA-graph replays (us). Ours = moe_w4a4(impl='auto')",
+        "(route, fc1, SiLU*up, fc2, top-k combine). SGLang = fused_experts as its engine runs it on Hopper",
+        "(alignment, tuned Triton GEMMs, fused SiLU*up, top-k sum): FP8 block [128,128] weights with per-token",
+        "group activation quantization; 'fp8 tensor' = per-tensor FP8 weights as quantization='fp8' makes",
+        f"them. Floor = bytes of the experts hit + bf16 activations in/out at {result['hbm_tbps']} TB/s.",
+        "Ratios > 1: ours faster. Static RAC plans: fc1 from the inputs' residuals, fc2 arbitrary (time",
+        "depends on the channel count only).",
+        "",
+    ]
+    head = ["tokens", "experts hit", "ours", "+ dyn RAC 50%", "+ static RAC 50%", "SGLang FP8", "SGLang FP8 tensor"]
+    head += ["SGLang bf16", "torch bf16", "ours vs FP8", "ours vs bf16", "RAC50 vs FP8", "NVFP4 floor"]
+    head += ["ours % floor", "FP8 floor", "FP8 % floor", "ours max err"]
+    rows = []
+    for r in result["rows"]:
+        rows.append(
+            [
+                str(r["tokens"]), str(r.get("active_experts", "-")), f(r.get("ours_us")), f(r.get("ours_rac50_us")),
+                f(r.get("ours_rac50_static_us")), f(r.get("sglang_fp8_us")), f(r.get("sglang_fp8_tensor_us")),
+                f(r.get("sglang_bf16_us")), f(r.get("torch_bf16_us")), f(r.get("ours_vs_sglang_fp8"), ".2f"),
+                f(r.get("ours_vs_sglang_bf16"), ".2f"), f(r.get("ours_rac50_vs_sglang_fp8"), ".2f"),
+                f(r.get("hbm_floor_us")), f(r.get("ours_pct_floor"), ".0f"), f(r.get("fp8_floor_us")),
+                f(r.get("sglang_fp8_pct_floor"), ".0f"), f(r.get("ours_max_abs_err"), ".2e"),
+            ]
+        )  # fmt: skip
+    lines += bench_env.table(head, rows)
+    lines += ["", "Checks (ours vs moe_w4a4(impl='reference'); every arm's relative error vs the bf16 block):", ""]
+    for r in result["rows"]:
+        errs = ", ".join(f"{k} {v:.3g}" for k, v in sorted(r.get("rel_err_vs_bf16", {}).items()))
+        state = "PASS" if r.get("check_ok") else "FAIL"
+        lines.append(f"- {r['tokens']} tokens: {state} (rel err {f(r.get('ours_rel_err'), '.2e')}); vs bf16: {errs}")
+        for arm, e in sorted(r.get("errors", {}).items()):
+            lines.append(f"  - {arm} not measured: {e}")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- inputs and arms
+
+
+def fp8_block_quant(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> FP8 E4M3 codes and fp32 dequant scales [E, N/128, K/128] (128x128 blocks)."""
+    e, n, k = w.shape
+    b = w.float().reshape(e, n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
+    s = (b.abs().amax(dim=(2, 4)) / 448.0).clamp_min(1e-12)
+    q = (b / s[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(e, n, k)
+    return q, s.contiguous()
+
+
+def fp8_tensor_quant(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> FP8 E4M3 codes and one fp32 dequant scale per expert [E]."""
+    s = (w.float().abs().amax(dim=(1, 2)) / 448.0).clamp_min(1e-12)
+    return (w.float() / s[:, None, None]).clamp(-448, 448).to(torch.float8_e4m3fn), s.contiguous()
+
+
+def nvfp4_experts(w13: torch.Tensor, w2: torch.Tensor) -> moe.ExpertWeights:
+    """The contract's per-tensor NVFP4 of each expert (gate and up share one global scale: one tensor)."""
+
+    def stack(w: torch.Tensor):
+        q = [nvfp4.quantize(w[e]) for e in range(w.shape[0])]
+        codes = torch.stack([t.codes for t in q])
+        scales = torch.stack([t.block_scales.view(torch.uint8) for t in q])
+        return codes, scales, torch.stack([t.global_decode.reshape(()) for t in q]).float()
+
+    return moe.ExpertWeights(*stack(w13), *stack(w2))
+
+
+def make_inputs(shape: dict, device: str, seed: int = 0) -> dict:
+    """Random bf16 experts (distinct magnitudes) and every arm's weights made from them."""
+    e, h, i = shape["experts"], shape["hidden"], shape["inter"]
+    g = torch.Generator(device=device).manual_seed(seed)
+    mag = torch.linspace(1, 4, e, device=device).view(e, 1, 1)
+    w13 = (torch.randn(e, 2 * i, h, generator=g, device=device) * 0.02 * mag).bfloat16()
+    w2 = (torch.randn(e, h, i, generator=g, device=device) * 0.02 * mag).bfloat16()
+    return {
+        "w13": w13,
+        "w2": w2,
+        "nvfp4": nvfp4_experts(w13, w2),
+        "fp8_block": (*fp8_block_quant(w13), *fp8_block_quant(w2)),
+        "fp8_tensor": (*fp8_tensor_quant(w13), *fp8_tensor_quant(w2)),
+        "gen": g,
+    }
+
+
+def make_tokens(tokens: int, shape: dict, inp: dict, device: str) -> dict:
+    """Activations with outlier channels, random top-k routing (int32 ids, fp32 renormalized weights)."""
+    g, h, e, k = inp["gen"], shape["hidden"], shape["experts"], shape["topk"]
+    x = torch.randn(tokens, h, generator=g, device=device) * torch.exp(torch.randn(h, generator=g, device=device))
+    logits = torch.randn(tokens, e, generator=g, device=device)
+    w, ids = torch.softmax(logits, -1).topk(k, dim=-1)
+    return {
+        "x": x.bfloat16().contiguous(),
+        "ids": ids.int(),
+        "w": (w / w.sum(-1, keepdim=True)).float(),
+        "logits": logits,
+    }
+
+
+def rac(shape: dict, x: torch.Tensor, static: bool, device: str) -> moe.LayerRAC:
+    h, i = shape["hidden"], shape["inter"]
+    n1, n2 = RACConfig(ratio=0.5).num_channels(h), RACConfig(ratio=0.5).num_channels(i)
+    if not static:
+        return moe.LayerRAC(moe.GemmRAC(dynamic_channels=n1), moe.GemmRAC(dynamic_channels=n2))
+    p1 = RACPlan.from_scores(reference.residual_block_scores(x[:256]).sum(0).cpu(), n1)
+    p2 = RACPlan.from_scores(torch.rand(i // 16, generator=torch.Generator().manual_seed(0)), n2)
+    return moe.LayerRAC(moe.GemmRAC(p1), moe.GemmRAC(p2)).on(device)
+
+
+def torch_bf16_block(t: dict, inp: dict, k: int) -> torch.Tensor:
+    e = inp["w13"].shape[0]
+    order, offs, valid = moe.route(t["ids"], e)
+    xs = t["x"][order // k]
+    if xs.is_cuda:
+        y1 = torch._grouped_mm(xs, inp["w13"].transpose(-2, -1), offs=offs)
+        y = torch._grouped_mm(moe.gated_activation(y1), inp["w2"].transpose(-2, -1), offs=offs)
+    else:  # the same math per expert (CPU dry run)
+        y = torch.zeros_like(xs)
+        start = 0
+        for j, end in enumerate(offs.tolist()):
+            if end > start:
+                y[start:end] = moe.gated_activation(xs[start:end] @ inp["w13"][j].t()) @ inp["w2"][j].t()
+            start = end
+    return moe.combine(y, order, valid, t["w"]).to(t["x"].dtype)
+
+
+class SGLangMoE:
+    """SGLang's fused_experts with the process state its engine has (published ServerArgs, a one-rank
+    model-parallel world): the call FusedMoE makes through its Triton runner for standard top-k output."""
+
+    def __init__(self, shape: dict, workdir: str) -> None:
+        import json
+
+        from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+        from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
+        from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
+        from sglang.srt.layers.moe.topk import StandardTopKOutput
+        from sglang.srt.runtime_context import publish
+        from sglang.srt.server_args import ServerArgs
+
+        os.makedirs(workdir, exist_ok=True)
+        cfg = {
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": shape["hidden"],
+            "intermediate_size": 6144, "moe_intermediate_size": shape["inter"], "num_hidden_layers": 1,
+            "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": shape["experts"],
+            "num_experts_per_tok": shape["topk"], "vocab_size": 32768, "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6, "rope_theta": 1e6, "norm_topk_prob": True, "torch_dtype": "bfloat16",
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False,
+        }  # fmt: skip
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        torch.cuda.set_device(0)
+        publish(ServerArgs(model_path=workdir, skip_tokenizer_init=True), role="scheduler")
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="nccl"
+        )
+        initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=1)
+        self.fused_experts, self.topk_cls = fused_experts, StandardTopKOutput
+        self.config = MoeRunnerConfig(
+            num_experts=shape["experts"],
+            num_local_experts=shape["experts"],
+            hidden_size=shape["hidden"],
+            intermediate_size_per_partition=shape["inter"],
+            top_k=shape["topk"],
+            params_dtype=torch.bfloat16,
+            activation="silu",
+            is_gated=True,
+            inplace=False,
+        )
+
+    def fn(self, arm: str, t: dict, inp: dict):
+        topk = self.topk_cls(t["w"], t["ids"], t["logits"])
+        x = t["x"]
+        if arm == "sglang_bf16":
+            return lambda: self.fused_experts(x, inp["w13"], inp["w2"], topk, self.config)
+        q13, s13, q2, s2 = inp["fp8_block" if arm == "sglang_fp8" else "fp8_tensor"]
+        block = [FP8_BLOCK, FP8_BLOCK] if arm == "sglang_fp8" else None
+        return lambda: self.fused_experts(
+            x, q13, q2, topk, self.config, use_fp8_w8a8=True, w1_scale=s13, w2_scale=s2, block_shape=block
+        )
+
+    @staticmethod
+    def tuned(arm: str, shape: dict) -> bool | None:
+        """Whether SGLang has a tuned config file for this arm's kernels on this GPU."""
+        try:
+            from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config import get_moe_configs
+
+            dtype = None if arm == "sglang_bf16" else "fp8_w8a8"
+            blk = FP8_BLOCK if arm == "sglang_fp8" else 0
+            return bool(get_moe_configs(shape["experts"], shape["inter"], dtype, blk, blk))
+        except Exception:
+            return None
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def time_us(fn, cuda: bool, rep_ms: int) -> float:
+    """Median time of fn (us): CUDA-graph replays on a GPU, wall clock of eager calls on a CPU."""
+    if cuda:
+        import triton.testing
+
+        return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return sorted(times)[1]
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, log) -> dict:
+    cuda = args.device == "cuda"
+    t = make_tokens(tokens, shape, inp, args.device)
+    ids = t["ids"]
+    row: dict = {"tokens": tokens, "rows": tokens * shape["topk"], "errors": {}, "rel_err_vs_bf16": {}}
+    row["active_experts"] = int(torch.unique(ids).numel())
+    for fmt, key in (("nvfp4", "hbm_floor_us"), ("fp8", "fp8_floor_us"), ("bf16", "bf16_floor_us")):
+        row[key] = floor_us(fmt, row["active_experts"], tokens, shape, args.hbm_tbps)
+    weights = inp["nvfp4"]
+    rac_dyn, rac_static = rac(shape, t["x"], False, args.device), rac(shape, t["x"], True, args.device)
+    if cuda:
+        row["ours_impl"] = "wgmma" if moe.hopper_gemm_usable(t["x"].device, weights, ids.numel()) else "triton"
+    bf16_out = torch_bf16_block(t, inp, shape["topk"])
+
+    def ours(r: moe.LayerRAC | None = None):
+        r = r or moe.LayerRAC()
+        return lambda: moe.moe_w4a4(t["x"], ids, t["w"], weights, r, impl="auto", check=False)
+
+    fns = {"ours": ours(), "ours_rac50": ours(rac_dyn), "ours_rac50_static": ours(rac_static)}
+    fns["torch_bf16"] = lambda: torch_bf16_block(t, inp, shape["topk"])
+    for arm in ("sglang_fp8", "sglang_fp8_tensor", "sglang_bf16"):
+        if arm not in args.arms:
+            continue
+        if sgl is None:
+            row["errors"][arm] = "SGLang's fused MoE needs CUDA and sglang" if not cuda else "SGLang setup failed"
+        else:
+            fns[arm] = sgl.fn(arm, t, inp)
+    for arm in ARMS:
+        if arm not in fns or arm not in args.arms:
+            continue
+        try:
+            y = fns[arm]()
+            row["rel_err_vs_bf16"][arm] = rel_err(y, bf16_out)
+            row[f"{arm}_us"] = time_us(fns[arm], cuda, args.rep_ms)
+        except Exception as e:  # one arm failing must not stop the others
+            row["errors"][arm] = f"{type(e).__name__}: {e}"[:300]
+            log(f"FAIL {tokens} tokens {arm}: {row['errors'][arm]}")
+            log(traceback.format_exc(limit=4))
+    try:  # correctness, once per size: ours (auto) against the torch reference of the same math
+        want = moe.moe_w4a4(t["x"], ids, t["w"], weights, impl="reference")
+        got = moe.moe_w4a4(t["x"], ids, t["w"], weights, impl="auto", check=True)
+        row["ours_max_abs_err"] = float((got.float() - want.float()).abs().max())
+        row["ours_rel_err"] = rel_err(got, want)
+        row["check_ok"] = bool(torch.isfinite(got).all()) and row["ours_rel_err"] < args.check_rtol
+    except Exception as e:
+        row["errors"]["check"] = f"{type(e).__name__}: {e}"[:300]
+        row["check_ok"] = False
+    row.update(ratios(row))
+    return row
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    ap.add_argument("--out", help="results folder (default: $OUT, else benchmarks/results; dry run: the workdir)")
+    ap.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the floor (H200: 4.8 TB/s)")
+    ap.add_argument("--rep-ms", type=int, default=60, help="replay time per measurement (triton do_bench_cudagraph)")
+    ap.add_argument("--check-rtol", type=float, default=5e-3, help="ours vs reference relative error bound")
+    ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, reference path, no SGLang")
+    ap.add_argument("--workdir", default="/tmp/quads_bench_moe_block", help="scratch (SGLang's model config)")
+    args = ap.parse_args(argv)
+    try:
+        args.tokens = [int(v) for v in args.tokens.split(",") if v]
+    except ValueError:
+        ap.error(f"--tokens: expected comma-separated integers, got {args.tokens!r}")
+    if not args.tokens or min(args.tokens) < 1:
+        ap.error("--tokens: at least one positive token count")
+    args.arms = [a for a in args.arms.split(",") if a]
+    bad = sorted(set(args.arms) - set(ARMS))
+    if bad:
+        ap.error(f"--arms: unknown {bad} (known: {', '.join(ARMS)})")
+    args.device = "cpu" if args.dry_run else "cuda"
+    if args.out is None:
+        results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+        args.out = os.path.join(args.workdir, "out") if args.dry_run else os.environ.get("OUT") or results
+    if args.dry_run and args.tokens == list(TOKENS):
+        args.tokens = [4, 16]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_moe_block: needs a CUDA GPU (or --dry-run on a CPU)", file=sys.stderr)
+        return 2
+    shape = TINY if args.dry_run else SHAPE
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    result = {**bench_env.header(), "shape": shape, "hbm_tbps": args.hbm_tbps, "dry_run": args.dry_run, "rows": []}
+    t0 = time.time()
+    inp = make_inputs(shape, args.device)
+    sgl = None
+    if args.device == "cuda" and any(a.startswith("sglang") for a in args.arms):
+        try:
+            sgl = SGLangMoE(shape, args.workdir)
+            result["sglang_tuned_configs"] = {a: SGLangMoE.tuned(a, shape) for a in ARMS if a.startswith("sglang")}
+        except Exception as e:
+            result["sglang_setup_error"] = f"{type(e).__name__}: {e}"[:500]
+            log(f"FAIL SGLang setup: {result['sglang_setup_error']}\n{traceback.format_exc(limit=6)}")
+    for tokens in args.tokens:
+        row = measure(tokens, shape, inp, sgl, args, log)
+        result["rows"].append(row)
+        state = "PASS" if row["check_ok"] and not row["errors"] else "FAIL"
+        log(
+            f"{state} {tokens} tokens: ours {bench_env.fmt(row.get('ours_us'))} us, SGLang FP8 "
+            f"{bench_env.fmt(row.get('sglang_fp8_us'))} us, bf16 {bench_env.fmt(row.get('sglang_bf16_us'))} us, "
+            f"floor {row['hbm_floor_us']:.1f} us, rel err {bench_env.fmt(row.get('ours_rel_err'), '.1e')}"
+            + (f", errors {sorted(row['errors'])}" if row["errors"] else "")
+        )
+    result["seconds"] = time.time() - t0
+    bench_env.write_json(os.path.join(args.out, "moe_block.json"), result)
+    md = markdown(result)
+    bench_env.write_text(os.path.join(args.out, "moe_block.md"), md)
+    print(md)
+    ok = all(r["check_ok"] for r in result["rows"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,311 @@
+"""CPU tests of what the GPU engine test and the engine/MoE-block benchmarks are made of: the torch
+reference model (tests/gpu/engine_ref.py), the engine worker's response parsing, the benchmark's random
+checkpoint, conversion, serving folders and result tables (benchmarks/bench_engine.py, bench_moe_block.py).
+No engine runs here (tests/gpu/test_sglang_engine.py runs them on the GPU).
+"""
+
+import copy
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, "gpu"), os.path.join(HERE, "..", "benchmarks")]
+
+import bench_engine as be  # noqa: E402
+import bench_engine_model as bem  # noqa: E402
+import bench_moe_block as bmb  # noqa: E402
+import engine_ref as er  # noqa: E402
+import engine_worker as ew  # noqa: E402
+from tiny_moe import qwen3_moe_config, write_checkpoint  # noqa: E402
+
+CFG = qwen3_moe_config(
+    hidden=128, moe_inter=64, experts=8, topk=2, layers=2, heads=4, kv_heads=2, head_dim=32, vocab=256
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny HF checkpoint, its model with bf16 reference experts, and its three converted modes."""
+    root = tmp_path_factory.mktemp("engine_parts")
+    bf16 = write_checkpoint(root / "bf16", CFG, seed=0)
+    model = er.load_model(bf16, "cpu")
+    g = torch.Generator().manual_seed(0)
+    seqs = torch.randint(0, CFG["vocab_size"], (4, 12), generator=g)
+    paths = {"bf16": bf16}
+    for mode in ("dynamic", "off"):
+        paths[mode] = str(root / mode)
+        er.convert(bf16, paths[mode], mode)
+    calib = er.calibrate(model, seqs, str(root / "calib"))
+    paths["static"] = str(root / "static")
+    er.convert(bf16, paths["static"], "static", calib)
+    return {"root": root, "model": model, "paths": paths, "calib": calib, "seqs": seqs}
+
+
+def test_patched_moe_block_matches_transformers(tmp_path):
+    """The reference's routing + bf16 experts reproduce transformers' own Qwen3-MoE block."""
+    model = er.load_model(write_checkpoint(tmp_path / "m", CFG, seed=1), "cpu")
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 10, CFG["hidden_size"], generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.no_grad():
+        want = block(x).float()
+        er.patch_moe(model, er.Bf16Experts(model))
+        got = block(x).float()
+    assert got.shape == want.shape
+    assert float((got - want).norm() / want.norm()) < 1e-2  # transformers rounds routing weights to bf16
+
+
+def test_modes_carry_their_rac_and_scales(tiny):
+    """Each converted mode's quads block gives the reference what the serving method reads."""
+    paths, calib = tiny["paths"], tiny["calib"]
+    assert er.quads_block(paths["dynamic"]) == {}
+    h, i = CFG["hidden_size"], CFG["moe_intermediate_size"]
+    rac, static = er.layer_rac(er.quads_block(paths["dynamic"]), 0, h, i)
+    assert (rac.fc1.dynamic_channels, rac.fc2.dynamic_channels, static) == (h // 2, i // 2, False)
+    rac, static = er.layer_rac(er.quads_block(paths["off"]), 0, h, i)
+    assert (rac.fc1.plan, rac.fc1.dynamic_channels, rac.fc2.dynamic_channels, static) == (None, 0, 0, False)
+    from safetensors.torch import load_file
+
+    plans = load_file(calib["rac_plans"])
+    quads = er.quads_block(paths["static"])
+    for layer in range(CFG["num_hidden_layers"]):
+        rac, static = er.layer_rac(quads, layer, h, i)
+        assert static
+        assert torch.equal(rac.fc1.plan.blocks, plans[f"{er.moe_prefix(layer)}.w13"])
+        assert torch.equal(rac.fc2.plan.blocks, plans[f"{er.moe_prefix(layer)}.w2"])
+    with open(calib["input_amax"]) as f:
+        amax = json.load(f)
+    a13, a2 = er.static_amax(er.read_tensors(paths["static"]), 1, CFG["num_experts"], "cpu")
+    want = amax[f"{er.moe_prefix(1)}.0.gate_proj"], amax[f"{er.moe_prefix(1)}.0.down_proj"]
+    assert float(a13) == pytest.approx(want[0], rel=1e-6) and float(a2) == pytest.approx(want[1], rel=1e-6)
+
+
+def test_w4a4_reference_modes_differ_and_stay_finite(tiny):
+    model, seqs, paths = tiny["model"], tiny["seqs"], tiny["paths"]
+    er.patch_moe(model, er.Bf16Experts(model))
+    lps = {"bf16": er.token_logprobs(model, seqs)}
+    for mode in er.MODES:
+        er.patch_moe(model, er.W4A4Experts(paths[mode], CFG["num_hidden_layers"], CFG["num_experts"], "cpu"))
+        lps[mode] = er.token_logprobs(model, seqs)
+    er.patch_moe(model, er.Bf16Experts(model))
+    for mode, lp in lps.items():
+        assert lp.shape == (4, 11) and torch.isfinite(lp).all() and (lp <= 0).all(), mode
+    for a in lps:
+        for b in lps:
+            if a < b:
+                assert er.gap(lps[a], lps[b])["mean"] > 0, (a, b)
+
+
+def test_greedy_tokens_are_the_argmax_of_a_full_forward(tiny):
+    """In fp32 (bf16 sums differ with the sequence length, enough to flip a near-tie or a routing choice)."""
+    model = copy.deepcopy(tiny["model"]).float()
+    er.patch_moe(model, er.Bf16Experts(model))
+    prompts = tiny["seqs"][:, :5]
+    cont = er.greedy(model, prompts, 4)
+    seq = torch.cat([prompts, cont], 1)
+    with torch.no_grad():
+        logits = model(input_ids=seq, use_cache=False).logits.float()
+    assert torch.equal(logits[:, 4:-1].argmax(-1), cont)
+    lp = er.token_logprobs(model, seq)
+    assert lp.shape == (4, 8) and torch.allclose(lp[:, 4:], torch.log_softmax(logits[:, 4:-1], -1).amax(-1))
+
+
+def test_gap_and_agreement():
+    assert er.gap([[0.0, -1.0]], [[0.5, -1.0]]) == {"mean": 0.25, "max": 0.5}
+    a = er.agreement([[1, 2, 3, 4], [1, 2, 3, 4]], [[1, 2, 9, 4], [1, 2, 3, 4]])
+    assert a == {"identical": 7 / 8, "prefix": (2 / 4 + 4 / 4) / 2}
+
+
+def test_worker_parses_responses():
+    seq = [5, 6, 7, 8]
+    meta = {"input_token_logprobs": [(None, 5, None), (-1.0, 6, None), (-2.0, 7, None), (-0.5, 8, None)]}
+    assert ew.input_logprobs(meta, seq) == [-1.0, -2.0, -0.5]
+    assert ew.input_logprobs({"input_token_logprobs": meta["input_token_logprobs"][1:]}, seq) == [-1.0, -2.0, -0.5]
+    with pytest.raises(ValueError, match="not the sequence"):
+        ew.input_logprobs(meta, [5, 6, 9, 8])
+    with pytest.raises(ValueError, match="input logprobs for a sequence"):
+        ew.input_logprobs({"input_token_logprobs": [(-1.0, 8, None)]}, seq)
+    assert ew.output_logprobs({"output_token_logprobs": [[-0.25, 3, None]]}) == [-0.25]
+    state = {
+        "disable_cuda_graph": False,
+        "cuda_graph_config": {"decode": {"backend": "full", "max_bs": 8}},
+        "startup_time": {"cuda_graph": {"decode": 1.5, "prefill": 0.0}},
+        "memory_usage": {"graph": {"decode": 0.01}},
+    }
+    ev = ew.graph_evidence({"internal_states": [state]})
+    assert ev["disable_cuda_graph"] is False and ev["decode_backend"] == "full"
+    assert ev["capture_s"] == state["startup_time"]["cuda_graph"] and ev["graph_gb"] == {"decode": 0.01}
+    assert ew.decode_graph_captured(ev)
+    off = dict(state, startup_time={"cuda_graph": {"decode": 0.0}}, memory_usage={"graph": {"decode": 0.0}})
+    assert not ew.decode_graph_captured(ew.graph_evidence({"internal_states": [off]}))
+    assert not ew.decode_graph_captured(ew.graph_evidence({"internal_states": [dict(state, disable_cuda_graph=True)]}))
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+
+def test_bench_checkpoint_matches_transformers_layout(tmp_path):
+    """The benchmark's direct safetensors writer gives the names and shapes transformers saves, and
+    transformers loads it without missing or unexpected weights."""
+    from safetensors import safe_open
+    from transformers import Qwen3MoeForCausalLM
+
+    shape = {"hidden": 128, "moe_inter": 64, "experts": 8, "topk": 2, "heads": 4, "kv_heads": 2, "head_dim": 32}
+    cfg = bem.model_config(2, 256, shape)
+    info = bem.write_random_checkpoint(str(tmp_path / "direct"), cfg, "cpu")
+    hf = write_checkpoint(tmp_path / "hf", {**cfg, "intermediate_size": 4 * 128}, seed=0)
+
+    def layout(path):
+        out = {}
+        for name in os.listdir(path):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(path, name), "pt") as f:
+                    out.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        return out
+
+    assert layout(str(tmp_path / "direct")) == layout(hf)
+    assert info["shards"] == 3 and info["bytes"] == 2 * sum(torch.Size(s).numel() for s in layout(hf).values())
+    _, loading = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "direct"), output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"] and not loading["mismatched_keys"]
+
+
+def test_bench_prepare_writes_arm_folders(tmp_path):
+    """Dry run: model, conversion, one serving folder per arm (the SGLang method reads its mode from it),
+    a layer subset; folders the benchmark did not write are refused, not deleted."""
+    work, out = tmp_path / "w", tmp_path / "o"
+    argv = ["--dry-run", "--layers", "2", "--check-layers", "1", "--vocab", "256", "--workdir", str(work)]
+    assert be.main([*argv, "--out", str(out)]) == 0
+    root = work / "tiny-L2-V256"
+    for arm in bem.QUADS_ARMS:
+        with open(root / arm / "hf_quant_config.json") as f:
+            quads = json.load(f)["quads"]
+        with open(root / arm / "config.json") as f:
+            assert json.load(f)["quantization_config"]["quads"]["rollout"] == quads["rollout"]
+        assert quads["rollout"] == bem.rollout_config(arm) and len(quads["rac_plans"]) == 2
+        assert all(os.path.islink(root / arm / n) for n in os.listdir(root / arm) if n.endswith(".safetensors"))
+    sub = root / "quads_dyn_1layers"
+    assert sorted(n for n in os.listdir(sub) if n.endswith(".safetensors")) == [
+        "model-embed-head.safetensors",
+        "model-layer-000.safetensors",
+    ]
+    with open(sub / "config.json") as f:
+        assert json.load(f)["num_hidden_layers"] == 1
+    with open(sub / "model.safetensors.index.json") as f:
+        assert not any(".layers.1." in k for k in json.load(f)["weight_map"])
+    with open(out / "bench_engine.json") as f:
+        res = json.load(f)
+    assert res["prepare"]["convert"]["seconds"] > 0 and res["settings"]["layers"] == 2
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep")
+    with pytest.raises(RuntimeError, match="did not write"):
+        bem.remove_own(str(foreign))
+    with pytest.raises(RuntimeError, match="not made by this benchmark"):
+        bem.serving_dir(str(root / "nvfp4"), str(foreign))
+    assert (foreign / "notes.txt").read_text() == "keep"
+    if importlib.util.find_spec("sglang") is None:
+        return
+    from quads_megatron.integrations.sglang.method import QuadsNvfp4Config
+
+    got = {}  # what the serving method reads from each arm's folder
+    for arm in bem.QUADS_ARMS:
+        with open(root / arm / "hf_quant_config.json") as f:
+            cfg = QuadsNvfp4Config.from_config(json.load(f))
+        rac = cfg.layer_rac("model.layers.1.mlp.experts", 256, 128)
+        got[arm] = (rac.fc1.dynamic_channels, rac.fc1.plan is not None, cfg.rollout.activation_scale)
+    assert got == {"quads_off": (0, False, "dynamic"), "quads_dyn": (128, False, "dynamic"),
+                   "quads_static": (0, True, "static")}  # fmt: skip
+
+
+def frag(batches: dict[str, float], steps: dict[str, float] | None = None) -> dict:
+    """An arm result as run_arm writes it, from output tok/s (and decode step ms) per batch."""
+    row = {}
+    for b, tok in batches.items():
+        step = (steps or {}).get(b, 1.0)
+        row[b] = {k: {"median": v, "min": v, "max": v} for k, v in (("output_tok_s", tok), ("decode_tok_s", tok),
+                                                                     ("step_ms", step))}  # fmt: skip
+    return {"ok": True, "startup_s": 30.0, "batches": row}
+
+
+def test_bench_results_merge_ratios_check_and_markdown(tmp_path):
+    argv = ["--layers", "12", "--check-layers", "4", "--out", str(tmp_path), "--workdir", str(tmp_path / "w")]
+    args = be.parse_args([*argv, "--resume", str(tmp_path / "none.json")])
+    with pytest.raises(SystemExit, match="no such file"):
+        be.load_results(args)
+    args = be.parse_args([*argv, "--resume"])
+    res = be.load_results(args)  # nothing to resume from: afresh
+    assert res == {"settings": be.settings_of(args), "arms": {}}
+    be.merge_arm(res, "fp8", frag({"16": 100.0}))
+    be.merge_arm(res, "fp8", frag({"64": 400.0}))  # a later run adds a batch, keeps the first
+    be.merge_arm(res, "bf16", frag({"16": 50.0, "64": 200.0}))
+    be.merge_arm(res, "quads_dyn", frag({"16": 120.0, "64": 300.0}, {"64": 10.0}))
+    be.merge_arm(res, "layercheck", frag({"64": 1.0}, {"64": 4.0}))
+    assert set(res["arms"]["fp8"]["batches"]) == {"16", "64"}
+    rat = be.ratios(res)
+    assert rat["quads_dyn/fp8"] == {"16": 1.2, "64": 0.75} and rat["quads_dyn/bf16"] == {"16": 2.4, "64": 1.5}
+    moe = {"rows": [{"tokens": 64, "ours_rac50_us": 250.0}]}
+    chk = be.check_gpu_bound(res, moe)["64"]
+    assert chk["per_layer_ms"] == pytest.approx(0.75) and chk["fixed_ms"] == pytest.approx(1.0)
+    assert chk["layer_share"] == pytest.approx(0.9) and chk["gpu_bound"] and chk["moe_kernels_ms"] == 3.0
+    res["ratios"], res["gpu_bound_check"] = rat, be.check_gpu_bound(res, moe)
+    res.update(date="2026-12-04", device={"name": "cpu"}, versions={"torch": "x"})
+    md = be.markdown(res)
+    assert "| 16 | 50 (50-50) | 100 (100-100) | 120 (120-120) |" in md and "| 64 | 1.50 | 0.75 |" in md
+    assert "layers 90% of a step (GPU-bound)" in md
+    be.finish(res, str(tmp_path / "bench_engine.json"), args)
+    assert be.load_results(args)["arms"] == res["arms"]  # resumed from OUT's file
+    os.remove(tmp_path / "bench_engine.json")
+    assert be.load_results(args)["arms"] == res["arms"]  # from the workdir's copy
+    with pytest.raises(SystemExit, match="settings"):
+        be.load_results(be.parse_args([*argv, "--layers", "16", "--resume"]))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--arms", "bf16,nope"], ["--batches", "16,x"], ["--batches", "0"], ["--layers", "4", "--check-layers", "4"]],
+)
+def test_bench_engine_refuses_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit):
+        be.parse_args(argv)
+    assert "error" in capsys.readouterr().err
+
+
+def test_moe_block_floors_and_fp8_quantization():
+    s = bmb.SHAPE
+    nv, f8, bf = (bmb.expert_bytes(f, s["hidden"], s["inter"]) for f in ("nvfp4", "fp8", "bf16"))
+    elems = 3 * s["hidden"] * s["inter"]
+    assert nv == elems // 2 + elems // 16 + 8 and bf == 2 * elems and f8 == elems + 4 * (12 * 16 + 16 * 6)
+    # 128 experts hit at 16 tokens: 128 * nv bytes + 2 * 16 * 2048 * 2 bytes at 4.8 TB/s
+    assert bmb.floor_us("nvfp4", 128, 16, s, 4.8) == pytest.approx((128 * nv + 131072) / 4.8e6)
+    w = torch.randn(2, 256, 384, generator=torch.Generator().manual_seed(0))
+    for quant in (bmb.fp8_block_quant, bmb.fp8_tensor_quant):
+        q, scale = quant(w)
+        deq = q.float() * (
+            scale.repeat_interleave(128, 1).repeat_interleave(128, 2) if scale.dim() == 3 else scale[:, None, None]
+        )
+        assert float((deq - w).norm() / w.norm()) < 0.05
+    with pytest.raises(ValueError, match="unknown weight format"):
+        bmb.expert_bytes("int4", 16, 16)
+
+
+def test_moe_block_dry_run_row(tmp_path):
+    shape = {"experts": 4, "hidden": 128, "inter": 128, "topk": 2}
+    args = bmb.parse_args(["--dry-run", "--tokens", "4", "--arms", "ours,torch_bf16", "--workdir", str(tmp_path)])
+    inp = bmb.make_inputs(shape, "cpu")
+    row = bmb.measure(4, shape, inp, None, args, print)
+    assert row["check_ok"] and row["ours_max_abs_err"] == 0.0  # on a CPU, auto is the reference
+    assert 0 < row["rel_err_vs_bf16"]["ours"] < 0.5 and row["rel_err_vs_bf16"]["torch_bf16"] == 0.0
+    assert row["ours_us"] > 0 and row["ours_vs_torch_bf16"] > 0 and row["errors"] == {}
+    result = {"date": "2026-12-04", "device": {"name": "cpu"}, "versions": {}, "shape": shape, "hbm_tbps": 4.8,
+              "rows": [row]}  # fmt: skip
+    md = bmb.markdown(result)
+    assert "| 4 |" in md and "PASS (rel err" in md
+    row = bmb.measure(4, shape, inp, None, bmb.parse_args(["--dry-run", "--arms", "sglang_fp8"]), print)
+    assert row["errors"] == {"sglang_fp8": "SGLang's fused MoE needs CUDA and sglang"}
+    assert "sglang_fp8 not measured" in bmb.markdown({**result, "rows": [row]})
+    with pytest.raises(SystemExit):
+        bmb.parse_args(["--arms", "ours,bogus"])
