@@ -37,9 +37,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_env  # noqa: E402
-from bench_engine_model import QUADS_ARMS, prepare  # noqa: E402
+import bench_env
+from bench_engine_model import QUADS_ARMS, prepare
 
 ARMS = ("bf16", "fp8", *QUADS_ARMS, "layercheck")
 #: process groups of the arms running now (started with their own session: killed as a whole)

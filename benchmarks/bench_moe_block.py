@@ -26,16 +26,14 @@ import sys
 import time
 import traceback
 
+import bench_env
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_env  # noqa: E402
-
-from quads_megatron import nvfp4  # noqa: E402
-from quads_megatron.config import RACConfig  # noqa: E402
-from quads_megatron.rollout import moe_block as moe  # noqa: E402
-from quads_megatron.rollout import reference  # noqa: E402
-from quads_megatron.rollout.rac_plan import RACPlan  # noqa: E402
+from quads_megatron import nvfp4
+from quads_megatron.config import RACConfig
+from quads_megatron.rollout import moe_block as moe
+from quads_megatron.rollout import reference
+from quads_megatron.rollout.rac_plan import RACPlan
 
 SHAPE = {"experts": 128, "hidden": 2048, "inter": 768, "topk": 8}
 TINY = {"experts": 8, "hidden": 256, "inter": 128, "topk": 2}

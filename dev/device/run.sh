@@ -14,9 +14,9 @@ for spec in "$@"; do
   log="$OUT/$part.log"; t0=$(date +%s)
   case "$part" in
     cuda) timeout "$secs" bash -c "$(declare -f pt); pt tests/test_gpu_cuda.py" > "$log" 2>&1 ;;
-    te) timeout "$secs" bash -c "$(declare -f pt); pt tests/gpu/ -k 'te_'" > "$log" 2>&1 ;;
-    engine) timeout "$secs" bash -c "$(declare -f pt); pt tests/gpu/test_sglang_engine.py" > "$log" 2>&1 ;;
-    sync) timeout "$secs" bash -c "$(declare -f pt); pt tests/gpu/test_live_sync.py" > "$log" 2>&1 ;;
+    te) timeout "$secs" bash -c "$(declare -f pt); pt tests/gpu/test_te_qat.py tests/gpu/test_te_calibration.py" > "$log" 2>&1 ;;
+    engine) OUT="$OUT" timeout "$secs" bash -c "$(declare -f pt); pt -s tests/gpu/test_sglang_engine.py" > "$log" 2>&1 ;;
+    sync) timeout "$secs" bash -c "$(declare -f pt); pt -s tests/gpu/test_live_sync.py" > "$log" 2>&1 ;;
     block) timeout "$secs" python3 benchmarks/bench_moe_block.py --out "$OUT" > "$log" 2>&1 ;;
     gemm) timeout "$secs" python3 benchmarks/bench_moe_w4a4.py --out "$OUT" > "$log" 2>&1 ;;
     engine-bench) timeout "$secs" python3 benchmarks/bench_engine.py --out "$OUT" ${BENCH_ENGINE_ARGS:-} > "$log" 2>&1 ;;

@@ -8,20 +8,15 @@ import copy
 import importlib.util
 import json
 import os
-import sys
 
+import bench_engine as be  # benchmarks/ is on the path (pyproject: tool.pytest.ini_options.pythonpath)
+import bench_engine_model as bem
+import bench_moe_block as bmb
+import engine_ref as er
+import engine_worker as ew
 import pytest
 import torch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "gpu"), os.path.join(HERE, "..", "benchmarks")]
-
-import bench_engine as be  # noqa: E402
-import bench_engine_model as bem  # noqa: E402
-import bench_moe_block as bmb  # noqa: E402
-import engine_ref as er  # noqa: E402
-import engine_worker as ew  # noqa: E402
-from tiny_moe import qwen3_moe_config, write_checkpoint  # noqa: E402
+from tiny_moe import qwen3_moe_config, write_checkpoint
 
 CFG = qwen3_moe_config(
     hidden=128, moe_inter=64, experts=8, topk=2, layers=2, heads=4, kv_heads=2, head_dim=32, vocab=256
