@@ -346,6 +346,8 @@ def apply(config: QuadsConfig, model: Any = None) -> None:
     check_version()
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from quads_megatron import _startup
+
     previous = STATE.config
     STATE.config = config
     if model is not None:
@@ -354,6 +356,7 @@ def apply(config: QuadsConfig, model: Any = None) -> None:
         except Exception:
             STATE.config = previous
             raise
+    _startup.disarm()  # the QUADS_CONFIG startup hook's deferred apply, if armed: this call replaces it
     _patch(MoELayer, "__init__", _wrap_moe_init)
     _patch(MoELayer, "forward", _wrap_moe_forward)
     for name, cls in _linear_classes().items():
