@@ -170,3 +170,47 @@ def test_ep2_merges_to_ep1_statistics(tmp_path):
         assert tokens2 == tokens1 and amax2 == amax1  # every rank holds the merged record
         for name, s in stats1.items():
             torch.testing.assert_close(stats2[name], s, rtol=1e-5, atol=1e-6)
+
+
+def test_config_metric_picks_the_calibration_statistic(tmp_path, monkeypatch):
+    """rollout.rac.metric decides what the calibrator records: 'amax' keeps max |x| per 16-channel block."""
+    layer = build_moe_layer(swiglu_config(), seed=0, layer_number=1)
+    xs = [tokens(1), tokens(2)]
+    with megatron_calibration.record_expert_inputs(layer, config={"rollout": {"rac": {"metric": "amax"}}}) as cal:
+        for x in xs:
+            layer(x)
+    assert cal.metric == "amax"
+    want = expected(layer, xs, qat=False)
+    for gemm in ("w13", "w2"):
+        rows = torch.cat(want[gemm])
+        block_amax = rows.abs().reshape(rows.shape[0], -1, 16).amax(dim=(0, 2))
+        torch.testing.assert_close(cal.stats[f"model.layers.0.mlp.experts.{gemm}"], block_amax)
+    yaml_path = tmp_path / "q.yaml"
+    yaml_path.write_text("rollout:\n  rac:\n    metric: amax\n")
+    monkeypatch.setenv("QUADS_CONFIG", str(yaml_path))  # no config argument: the trainer's QUADS_CONFIG
+    with megatron_calibration.record_expert_inputs(layer) as cal_env:
+        layer(xs[0])
+    assert cal_env.metric == "amax"
+    with pytest.raises(ValueError, match="differs from the config's rollout.rac.metric 'amax'"):
+        with megatron_calibration.record_expert_inputs(layer, calibration.RACCalibrator("residual"), config=yaml_path):
+            pass
+
+
+def test_calibration_example_reads_metric_and_ratio_from_the_yaml(tmp_path, capsys):
+    import importlib.util
+
+    from safetensors import safe_open
+
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "calibrate_rac.py")
+    spec = importlib.util.spec_from_file_location("calibrate_rac_example", example)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    yaml_path = tmp_path / "q.yaml"
+    yaml_path.write_text("rollout:\n  rac:\n    metric: amax\n    ratio: 0.25\n")
+    paths = mod.main(str(tmp_path / "calib"), str(yaml_path))
+    with safe_open(paths["stats"], "pt") as f:
+        assert f.metadata()["metric"] == "amax"
+    extras = checkpoint.quads_extras(None, paths["rac_plans"])
+    blocks = extras["rac_plans"]["model.layers.0.mlp.experts"]
+    assert len(blocks["w13"]) == 1 and len(blocks["w2"]) == 1  # 25% of K=64 -> 16 channels, one block
+    assert "metric amax, ratio 0.25" in capsys.readouterr().out

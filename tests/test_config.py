@@ -1,6 +1,7 @@
 """YAML config: defaults, round trip, and errors that name the bad key."""
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -12,13 +13,13 @@ def test_defaults_and_yaml_roundtrip(tmp_path):
     assert cfg.trainer.linears == ("fc1", "fc2") and cfg.rollout.rac.ratio == 0.5
     p = tmp_path / "q.yaml"
     p.write_text(
-        "trainer:\n  experts: [routed, shared]\n  layers: [2, 3]\n  scale_mode: row\n"
-        "rollout:\n  activation_scale: static\n  rac: {ratio: 0.5, selection: dynamic}\n"
-        "exclude: ['*.layers.0.*']\n"
+        "trainer:\n  experts: [routed, shared]\n  layers: [2, 3]\n  scale_mode: tensor\n"
+        "rollout:\n  activation_scale: static\n  rac: {ratio: 0.5, selection: dynamic, metric: amax}\n"
     )
     got = load_config(p)
     assert got.trainer.experts == ("routed", "shared") and got.trainer.layers == (2, 3)
     assert got.rollout.rac.ratio == 0.5 and got.rollout.rac.selection == "dynamic"
+    assert got.rollout.rac.metric == "amax"
     assert QuadsConfig.from_dict(got.to_dict()) == got
     assert got.trainer.wants_layer(2) and not got.trainer.wants_layer(1)
 
@@ -39,11 +40,40 @@ def test_defaults_and_yaml_roundtrip(tmp_path):
         ({"rollout": 3}, "rollout"),
         ({"bogus": 1}, "bogus"),
         ({"exclude": [1]}, "exclude"),
+        ({"trainer": {"scale_mode": "row"}}, "trainer.scale_mode"),
+        ({"rollout": {"rac": {"metric": "mse"}}}, "rollout.rac.metric"),
     ],
 )
 def test_errors_name_the_key(data, key):
     with pytest.raises(QuadsConfigError, match="^" + re.escape(key) + r"\b"):
         QuadsConfig.from_dict(data)
+
+
+def test_exclude_is_refused_with_what_to_use_instead():
+    """A top-level exclude was accepted and ignored: now it is refused, naming the replacements."""
+    with pytest.raises(QuadsConfigError, match=r"^exclude: .*trainer\.layers.*quads convert --exclude"):
+        QuadsConfig.from_dict({"exclude": ["*.layers.0.*"]})
+    with pytest.raises(QuadsConfigError, match="^exclude: "):
+        QuadsConfig.from_dict({"exclude": []})  # even empty: the key does nothing
+    assert "exclude" not in QuadsConfig().to_dict()
+
+
+def test_row_scale_mode_is_refused():
+    """Per-row weight scales would train weights that convert / live sync (per-tensor) never send."""
+    with pytest.raises(QuadsConfigError, match=r"^trainer\.scale_mode: only 'tensor'.*per-tensor global scale"):
+        QuadsConfig.from_dict({"trainer": {"scale_mode": "row"}})
+    assert QuadsConfig.from_dict({"trainer": {"scale_mode": "tensor"}}).trainer.scale_mode == "tensor"
+
+
+def test_missing_yaml_file_is_a_config_error(tmp_path):
+    with pytest.raises(QuadsConfigError, match="cannot read the QUADS config"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_example_yaml_is_valid_and_matches_the_defaults():
+    """examples/quads.yaml documents the keys: it must load, and hold the documented defaults."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "quads.yaml"
+    assert load_config(example) == QuadsConfig()
 
 
 def test_bad_yaml_file(tmp_path):

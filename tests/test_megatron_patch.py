@@ -16,12 +16,14 @@ def expert_weights(layer):
 
 
 def qdq_copy_of(layer_seed=0, layer_number=1, linears=("fc1", "fc2"), **cfg_kw):
-    """An unpatched layer whose expert weights were replaced by qdq(W): the expected model."""
+    """An unpatched layer whose expert weights were replaced by qdq(W): the expected model (kept BF16
+    while QUADS is applied)."""
     ref = build_moe_layer(moe_config(**cfg_kw), seed=layer_seed, layer_number=layer_number)
     with torch.no_grad():
         for n, p in expert_weights(ref).items():
             if any(f"linear_{lin}." in n for lin in linears):
                 p.copy_(nvfp4.qdq(p))
+    megatron_core.leave_unquantized(ref)
     return ref
 
 
@@ -225,3 +227,140 @@ def test_te_grouped_weight_hook_quantizes_each_expert_separately(grouped):
     got = list(got[0]) if grouped else got
     for w, g in zip(weights, got, strict=True):
         assert torch.equal(g, nvfp4.qdq(w.detach()))  # one global scale per expert
+
+
+# ----------------------------------------------------------------------------- built before apply()
+
+
+def test_layer_built_before_apply_refuses_to_run_unquantized():
+    from quads_megatron.errors import QuadsPatchError
+
+    layer = build_moe_layer(moe_config(), seed=0)  # no tags: apply() has not run yet
+    x = torch.randn(4, 2, 32)
+    quads_megatron.apply()
+    with pytest.raises(QuadsPatchError, match=r"MoE layer 1 was built before quads_megatron.apply\(\).*model="):
+        layer(x)
+    with pytest.raises(QuadsPatchError, match="built before"):  # every call, not only the first
+        layer(x)
+    assert fake_quant.STATS.qdq_calls == 0
+    quads_megatron.apply(model=layer)  # the fix the message names
+    assert torch.equal(run(layer, x)[0], run(qdq_copy_of(), x)[0])
+
+
+def test_layer_built_before_apply_runs_when_the_config_leaves_it_alone():
+    layer = build_moe_layer(moe_config(), seed=0, layer_number=1)
+    x = torch.randn(4, 2, 32)
+    quads_megatron.apply({"trainer": {"layers": [2]}})  # layer 1 is not quantized anyway
+    out = run(layer, x)[0]
+    quads_megatron.apply({"trainer": {"enabled": False}})
+    assert torch.equal(run(layer, x)[0], out)
+
+
+def test_leave_unquantized_marks_a_reference_model():
+    ref = build_moe_layer(moe_config(), seed=0)
+    x = torch.randn(4, 2, 32)
+    want = run(build_moe_layer(moe_config(), seed=0), x)[0]
+    quads_megatron.apply()
+    assert megatron_core.leave_unquantized([ref]) == 1
+    assert torch.equal(run(ref, x)[0], want) and fake_quant.STATS.qdq_calls == 0
+    tagged = build_moe_layer(moe_config(), seed=0)  # built after apply(): quantized
+    megatron_core.leave_unquantized(tagged)  # tags removed too
+    assert torch.equal(run(tagged, x)[0], want)
+
+
+def test_remove_restores_moe_forward():
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    original = MoELayer.forward
+    layer = build_moe_layer(moe_config(), seed=0)
+    quads_megatron.apply()
+    assert MoELayer.forward is not original
+    quads_megatron.remove()
+    assert MoELayer.forward is original
+    layer(torch.randn(4, 2, 32))  # runs: nothing is applied
+
+
+# ----------------------------------------------------------------------------- refused Megatron settings
+
+
+def config_with(**fields):
+    """A valid CPU MoE config, then fields set the way a GPU run's TransformerConfig carries them
+    (delay_wgrad_compute asserts an EP>1 bf16 alltoall setup at construction, which a CPU test lacks;
+    the refusal reads the fields only)."""
+    cfg = moe_config()
+    for k, v in fields.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+@pytest.mark.parametrize("field", ["delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"])
+def test_delayed_expert_wgrad_without_fusion_is_refused(field, monkeypatch):
+    from megatron.core.tensor_parallel import layers
+
+    from quads_megatron.errors import QuadsPatchError
+
+    quads_megatron.apply()
+    with pytest.raises(QuadsPatchError, match=rf"^{field}=True without gradient_accumulation_fusion.*backward_dw"):
+        build_moe_layer(config_with(**{field: True}), seed=0)
+    monkeypatch.setattr(layers, "fused_weight_gradient_mlp_cuda", _CpuFusedWgradShim, raising=False)
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", True)
+    fused = build_moe_layer(config_with(**{field: True, "gradient_accumulation_fusion": True}), seed=0)
+    assert fused.experts.local_experts[0].linear_fc1._quads_target.linear == "fc1"  # TE accumulates into main_grad
+    quads_megatron.apply({"trainer": {"enabled": False}})
+    build_moe_layer(config_with(**{field: True}), seed=0)  # nothing to quantize: not refused
+
+
+def test_single_grouped_expert_weight_is_refused():
+    from quads_megatron.errors import QuadsPatchError
+
+    quads_megatron.apply()
+    with pytest.raises(QuadsPatchError, match="^moe_single_grouped_weight=True .*GroupedTensor.*=False"):
+        build_moe_layer(config_with(moe_single_grouped_weight=True), seed=0)
+    layer = build_moe_layer(moe_config(), seed=0)
+    layer.config = config_with(moe_single_grouped_weight=True)
+    with pytest.raises(QuadsPatchError, match="moe_single_grouped_weight"):  # apply(model=...) checks too
+        quads_megatron.apply(model=layer)
+
+
+def test_megatron_fsdp_is_refused():
+    from quads_megatron.errors import QuadsPatchError
+
+    quads_megatron.apply()
+    with pytest.raises(QuadsPatchError, match=r"^Megatron-FSDP .*use_megatron_fsdp=False"):
+        build_moe_layer(config_with(init_model_with_meta_device=True), seed=0)
+    layer = build_moe_layer(moe_config(), seed=0)
+    w = layer.experts.local_experts[0].linear_fc1.weight
+    before = w.detach().clone()
+    w.__fsdp_param__ = True  # what Megatron-FSDP sets on the parameters it manages
+    with pytest.raises(QuadsPatchError, match="Megatron-FSDP"):
+        layer(torch.randn(4, 2, 32))
+    assert torch.equal(w.detach(), before) and w.grad is None
+    assert "weight" not in layer.experts.local_experts[0].linear_fc1.__dict__
+
+
+def test_dtensor_expert_weights_are_refused_by_apply_model():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from quads_megatron.errors import QuadsPatchError
+
+    layer = build_moe_layer(moe_config(), seed=0)
+    fc2 = layer.experts.local_experts[1].linear_fc2
+    mesh = init_device_mesh("cpu", (1,))
+    fc2.weight = torch.nn.Parameter(distribute_tensor(fc2.weight.detach(), mesh, [Replicate()]))
+    with pytest.raises(QuadsPatchError, match="Megatron-FSDP"):
+        quads_megatron.apply(model=layer)
+    assert not any(hasattr(m, "_quads_target") for m in layer.modules())  # refused before tagging anything
+
+
+def test_te_single_grouped_weight_module_is_refused_by_the_hook():
+    mod = FakeTEGroupedLinearForCPU()
+    mod.single_grouped_weight = True  # TE's GroupedLinear attribute when moe_single_grouped_weight is on
+    mod._quads_target = megatron_core.QuadsTarget("routed", "fc1", lambda: None)
+    megatron_core.STATE.config = quads_megatron.load_config(None)
+    try:
+        hook = megatron_core._wrap_get_weight_tensors(FakeTEGroupedLinearForCPU._get_weight_tensors)
+        with pytest.raises(megatron_core.QuadsPatchError, match="moe_single_grouped_weight"):
+            hook(mod)
+    finally:
+        megatron_core.STATE.config = None

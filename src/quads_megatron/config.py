@@ -7,7 +7,7 @@ Example (every key optional; these are the defaults)::
       experts: [routed]          # routed and/or shared
       linears: [fc1, fc2]
       layers: all                # 'all' or a list of layer numbers (1-based, as Megatron counts)
-      scale_mode: tensor         # NVFP4 weight global scale: tensor | row
+      scale_mode: tensor         # one NVFP4 global scale per expert weight (the only mode; see below)
       cache_qdq: true            # one QDQ per weight version, reused across micro-batches
     rollout:
       activation_scale: dynamic  # dynamic (per-token global scale) | static (calibrated input_scale)
@@ -15,8 +15,17 @@ Example (every key optional; these are the defaults)::
         enabled: true
         ratio: 0.5               # fraction of K compensated, rounded up to 16 channels (QUADS: 50%)
         selection: dynamic       # dynamic (per token, no calibration) | static (calibrated per layer)
-        metric: residual         # calibration statistic: residual (mean |x - dq(q(x))|) | amax
-    exclude: []                  # glob patterns of module names never quantized
+        metric: residual         # static plans' calibration statistic: residual | amax
+
+* trainer.scale_mode: only ``tensor``. ModelOpt NVFP4 checkpoints, ``quads convert``, live sync and
+  the quads_nvfp4 rollout hold one per-tensor global scale (``weight_scale_2``) per expert weight,
+  so the trainer fake-quantizes with exactly that; a per-row scale would train weights the rollout
+  never sees.
+* rollout.rac.metric: the statistic RAC calibration ranks 16-channel blocks by when it builds static
+  plans (``record_expert_inputs(model, config=...)``, examples/calibrate_rac.py): ``residual`` = the
+  squared NVFP4 residual |x - dq(q(x))|^2 summed over rows, ``amax`` = the block's max |x|.
+* No top-level ``exclude``: the trainer picks what it fake-quantizes with trainer.experts / linears /
+  layers; a checkpoint keeps modules BF16 with ``quads convert --exclude GLOB``.
 
 Errors name the offending key with its dotted path (QuadsConfigError).
 """
@@ -32,7 +41,17 @@ from typing import Any
 import yaml
 
 from quads_megatron.errors import QuadsConfigError
-from quads_megatron.nvfp4 import SCALE_MODES
+
+#: trainer.scale_mode values: per-tensor only (what ModelOpt checkpoints and the rollout hold)
+TRAINER_SCALE_MODES = ("tensor",)
+
+#: keys that were accepted once and are refused now, with what to use instead
+_REMOVED_KEYS = {
+    ("QuadsConfig", "exclude"): (
+        "not a QUADS config key: the trainer selects what it fake-quantizes with trainer.experts, "
+        "trainer.linears and trainer.layers; keep modules BF16 in a checkpoint with `quads convert --exclude GLOB`"
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -81,7 +100,12 @@ class TrainerConfig:
         _check_type("trainer.cache_qdq", self.cache_qdq, bool)
         _check_subset("trainer.experts", self.experts, ("routed", "shared"))
         _check_subset("trainer.linears", self.linears, ("fc1", "fc2"))
-        _check_choice("trainer.scale_mode", self.scale_mode, SCALE_MODES)
+        if self.scale_mode not in TRAINER_SCALE_MODES:
+            raise QuadsConfigError(
+                f"trainer.scale_mode: only 'tensor' is supported, got {self.scale_mode!r}: ModelOpt NVFP4 "
+                "checkpoints, quads convert, live sync and the quads_nvfp4 rollout hold one per-tensor global "
+                "scale (weight_scale_2) per expert weight, so the trainer must fake-quantize per tensor too"
+            )
         if self.layers != "all":
             if not isinstance(self.layers, tuple) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in self.layers
@@ -98,11 +122,6 @@ class TrainerConfig:
 class QuadsConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    exclude: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not all(isinstance(p, str) for p in self.exclude):
-            raise QuadsConfigError(f"exclude: expected a list of glob strings, got {self.exclude!r}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> QuadsConfig:
@@ -113,6 +132,8 @@ class QuadsConfig:
         try:
             with open(path, encoding="utf-8") as f:
                 data = yaml.safe_load(f)
+        except OSError as e:
+            raise QuadsConfigError(f"{path}: cannot read the QUADS config: {e.strerror or e}") from e
         except yaml.YAMLError as e:
             raise QuadsConfigError(f"{path}: not valid YAML: {e}") from e
         if data is not None and not isinstance(data, dict):
@@ -142,6 +163,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise QuadsConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in data:
+        removed = _REMOVED_KEYS.get((cls.__name__, name))
+        if removed is not None:
+            raise QuadsConfigError(f"{prefix}{name}: {removed}")
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise QuadsConfigError(

@@ -8,12 +8,14 @@ from the same weights with the same seeds:
 * bf16:  fp32 trainer, rollout engine in bf16 (the engine-drift floor).
 * naive: fp32 trainer, rollout experts W4A4 NVFP4 (weights quantized at sync, no RAC).
 * quads: trainer with asymmetric NVFP4 QAT on the experts (quads_megatron.apply), rollout
-         experts W4A4 + RAC (static plan calibrated per layer at the start of the arm).
+         experts W4A4 + RAC as the QUADS config's rollout section says: rac.selection dynamic
+         (per token, rac.ratio of K) or static (per-layer plans calibrated with rac.metric at
+         the start of the arm), activation_scale dynamic or static (calibrated amax).
 
 The rollout engine reuses the trainer's non-expert modules under bf16 autocast and runs every
-expert GEMM through quads_megatron.w4a4 (the reference path of the rollout kernels), with the
-expert weights synced each step through quads_megatron.convert.megatron_expert_tensors (the
-live-sync path). Logged per step: reward, mean/max |logp_rollout - logp_train| over sampled
+expert GEMM through quads_megatron.rollout.reference (the reference path of the rollout kernels),
+with the expert weights synced each step through quads_megatron.checkpoint.megatron_expert_tensors
+(the live-sync path). Logged per step: reward, mean/max |logp_rollout - logp_train| over sampled
 tokens, and KL(rollout || train) estimated on the samples.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import os
 import sys
 import time
@@ -32,13 +35,15 @@ import torch.nn.functional as F
 
 import quads_megatron
 from quads_megatron import checkpoint, nvfp4
-from quads_megatron.config import QuadsConfig, load_config
+from quads_megatron.config import QuadsConfig, RolloutConfig, load_config
+from quads_megatron.errors import QuadsConfigError
 from quads_megatron.rollout import calibration, rac_plan, reference
 
 VOCAB = [*"0123456789", "+", "="]
 PLUS, EQ = 10, 11
 PROMPT_LEN, ANSWER_LEN = 4, 2
 ARMS = ("bf16", "naive", "quads")
+HEADS = 4  # attention heads of every block (and of the MoE layers' TransformerConfig)
 
 
 @dataclass
@@ -59,12 +64,36 @@ class DemoArgs:
     out: str = "runs/demo"
     config: str | None = None
 
+    def __post_init__(self) -> None:
+        """ValueError naming the flag of the first bad value (main turns it into an argparse error)."""
+        for name in ("steps", "prompts", "experts", "topk", "layers", "hidden", "ffn"):
+            _check(name, getattr(self, name) >= 1, "must be >= 1")
+        _check("sft_steps", self.sft_steps >= 0, "must be >= 0")
+        _check("group", self.group >= 2, "must be >= 2 (GRPO normalizes rewards within a group)")
+        _check("seed", self.seed >= 0, "must be >= 0")
+        _check("lr", math.isfinite(self.lr) and self.lr > 0, "must be a finite number > 0")
+        _check("clip", math.isfinite(self.clip) and 0 < self.clip < 1, "must be in (0, 1)")
+        _check("tis_cap", math.isfinite(self.tis_cap) and self.tis_cap >= 0, "must be >= 0 (0: off)")
+        _check("topk", self.topk <= self.experts, f"must be <= --experts ({self.experts})")
+        _check(
+            "hidden",
+            self.hidden % 16 == 0 and self.hidden % HEADS == 0,
+            f"must be a multiple of 16 (NVFP4 blocks of fc1's K) and of the {HEADS} attention heads",
+        )
+        _check("ffn", self.ffn % 16 == 0, "must be a multiple of 16 (NVFP4 blocks of fc2's K)")
+        _check("out", bool(self.out), "must be a directory path")
+
+
+def _check(name: str, ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"--{name.replace('_', '-')} {what}")
+
 
 # ----------------------------------------------------------------------------- model
 
 
 class Block(torch.nn.Module):
-    def __init__(self, mcfg, layer_number: int, hidden: int, heads: int = 4) -> None:
+    def __init__(self, mcfg, layer_number: int, hidden: int, heads: int = HEADS) -> None:
         super().__init__()
         from quads_megatron.demo.cpu_megatron import build_moe_layer
 
@@ -123,13 +152,27 @@ def rewards(answers: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
 
 
 class RolloutEngine:
-    """Samples answers with the rollout numerics of one arm (see module docstring)."""
+    """Samples answers with the rollout numerics of one arm (see module docstring).
 
-    def __init__(self, model: TinyMoEGPT, mode: str, rac_ratio_cfg=None) -> None:
-        self.model, self.mode, self.rac_cfg = model, mode, rac_ratio_cfg
+    rollout: the QUADS config's rollout section; the quads arm follows it (RAC on/off, ratio,
+    dynamic or static selection, metric of the static plans, dynamic or static activation scale),
+    the naive arm runs plain W4A4 with per-token activation scales, the bf16 arm no NVFP4 at all.
+    """
+
+    def __init__(self, model: TinyMoEGPT, mode: str, rollout: RolloutConfig | None = None) -> None:
+        if mode not in ARMS:
+            raise ValueError(f"mode must be one of {ARMS}, got {mode!r}")
+        self.model, self.mode, self.rollout = model, mode, rollout or RolloutConfig()
         self.weights: dict[tuple[int, int], tuple[nvfp4.NVFP4Tensor, nvfp4.NVFP4Tensor]] = {}
         self.plans: dict[tuple[int, str], rac_plan.RACPlan] = {}  # (layer, 'fc1'|'fc2') -> static RAC plan
+        self.amax: dict[tuple[int, str], torch.Tensor] = {}  # (layer, 'fc1'|'fc2') -> static activation amax
         self._calibrator: calibration.RACCalibrator | None = None  # set while calibrate() runs a batch
+
+    @property
+    def needs_calibration(self) -> bool:
+        rac = self.rollout.rac
+        static_rac = rac.enabled and rac.ratio > 0 and rac.selection == "static"
+        return self.mode == "quads" and (static_rac or self.rollout.activation_scale == "static")
 
     def sync_weights(self) -> None:
         """Live sync: Megatron expert params -> ModelOpt NVFP4 tensors -> per-expert fc1/fc2."""
@@ -154,22 +197,38 @@ class RolloutEngine:
                 self.weights[(li, e)] = (fc1, get(f"{base}.down_proj"))
 
     def calibrate(self, tokens: torch.Tensor) -> None:
-        """Static RAC plans per layer and linear from the residual statistics of a batch."""
-        if self.mode != "quads":
+        """Static RAC plans (rac.metric statistic) and static activation amax per layer and linear,
+        from one batch; only what the quads arm's config asks for."""
+        if not self.needs_calibration:
             return
-        cal = calibration.RACCalibrator("residual")
+        cal = calibration.RACCalibrator(self.rollout.rac.metric)
         self._calibrator = cal
-        with torch.no_grad():
-            self.forward(tokens)
-        self._calibrator = None
-        plans = cal.plans(self.rac_cfg.num_channels)  # keyed "layer/linear", see _linear
-        self.plans = {(int(k.split("/")[0]), k.split("/")[1]): p for k, p in plans.items()}
+        try:
+            with torch.no_grad():
+                self.forward(tokens)
+        finally:
+            self._calibrator = None
+        key = lambda k: (int(k.split("/")[0]), k.split("/")[1])  # "layer/linear", see _linear
+        rac = self.rollout.rac
+        if rac.enabled and rac.ratio > 0 and rac.selection == "static":
+            self.plans = {key(k): p for k, p in cal.plans(rac.num_channels).items()}
+        if self.rollout.activation_scale == "static":
+            self.amax = {key(k): torch.tensor(a) for k, a in cal.amax.items()}
 
     def _linear(self, x: torch.Tensor, w: nvfp4.NVFP4Tensor, li: int, which: str) -> torch.Tensor:
         if self._calibrator is not None:
             self._calibrator.observe(f"{li}/{which}", x)
-        plan = self.plans.get((li, which)) if self.mode == "quads" else None
-        return reference.w4a4_linear_reference(reference.quantize_activation(x.float(), plan), w)
+        plan, channels, static_amax = None, 0, None
+        if self.mode == "quads":
+            rac = self.rollout.rac
+            if rac.enabled and rac.ratio > 0:
+                if rac.selection == "static":
+                    plan = self.plans.get((li, which))  # None while calibrating
+                else:
+                    channels = rac.num_channels(x.shape[1])
+            static_amax = self.amax.get((li, which))
+        qa = reference.quantize_activation(x.float(), plan, static_amax, channels)
+        return reference.w4a4_linear_reference(qa, w)
 
     def _moe(self, li: int):
         def moe_fn(moe, h: torch.Tensor) -> torch.Tensor:
@@ -240,7 +299,7 @@ def run_arm(arm: str, model: TinyMoEGPT, a: DemoArgs, qcfg: QuadsConfig, progres
     if arm == "quads":
         quads_megatron.apply(qcfg, model=model)
     try:
-        engine = RolloutEngine(model, arm, qcfg.rollout.rac)
+        engine = RolloutEngine(model, arm, qcfg.rollout)
         engine.sync_weights()
         engine.calibrate(torch.cat(make_prompts(256, torch.Generator().manual_seed(a.seed + 3)), 1))
         opt = torch.optim.Adam(model.parameters(), lr=a.lr)
@@ -302,27 +361,80 @@ def summarize(rows: list[dict], tail: int) -> list[dict]:
     return out
 
 
+PANELS = (  # (metric, title, y-axis label)
+    ("reward", "Reward (exact answer = 1)", "mean reward per RL step"),
+    ("mean_abs_gap", "Rollout-trainer gap (mean)", "mean |logp_rollout - logp_train|"),
+    ("max_abs_gap", "Rollout-trainer gap (max)", "max |logp_rollout - logp_train|"),
+)
+
+
+def make_figure(rows: list[dict]):
+    """One panel per PANELS entry, one line per arm; titled and labelled on both axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(14, 4))
+    for ax, (key, title, ylabel) in zip(axes, PANELS, strict=True):
+        for arm in ARMS:
+            rs = [r for r in rows if r["arm"] == arm]
+            ax.plot([r["step"] for r in rs], [r[key] for r in rs], label=arm)
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.set_ylabel(ylabel)
+    axes[0].legend(title="arm")
+    fig.suptitle("QUADS CPU RL demo: bf16 rollout vs naive NVFP4 vs QUADS (QAT + RAC)")
+    fig.tight_layout()
+    return fig
+
+
 def plot(rows: list[dict], path: str) -> bool:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
+        fig = make_figure(rows)
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for arm in ARMS:
-        rs = [r for r in rows if r["arm"] == arm]
-        steps = [r["step"] for r in rs]
-        for ax, key in zip(axes, ("reward", "mean_abs_gap", "max_abs_gap"), strict=True):
-            ax.plot(steps, [r[key] for r in rs], label=arm)
-            ax.set_title(key)
-            ax.set_xlabel("RL step")
-    axes[0].legend()
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def rollout_label(rollout: RolloutConfig) -> str:
+    """What the quads arm's rollout ran, e.g. 'RAC dynamic, ratio 0.5; activation scale dynamic'."""
+    rac = rollout.rac
+    if not rac.enabled or rac.ratio == 0:
+        what = "RAC off"
+    elif rac.selection == "static":
+        what = f"RAC static (calibrated, metric {rac.metric}), ratio {rac.ratio}"
+    else:
+        what = f"RAC dynamic, ratio {rac.ratio}"
+    return f"{what}; activation scale {rollout.activation_scale}"
+
+
+def _md_row(cells: list[str]) -> str:
+    """A markdown table row; '|' inside a cell is escaped so the row keeps its columns."""
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def summary_table(summary: list[dict]) -> list[str]:
+    """The markdown table of summarize()'s rows."""
+    header = ["arm", "reward first -> last", "mean |logp_rollout - logp_train|", "max |gap|", "KL(rollout||train)"]
+    lines = [_md_row(header), _md_row(["---"] * len(header))]
+    for s in summary:
+        lines.append(
+            _md_row(
+                [
+                    s["arm"],
+                    f"{s['first_reward']:.3f} -> {s['final_reward']:.3f}",
+                    f"{s['mean_abs_gap']:.4f}",
+                    f"{s['max_abs_gap']:.3f}",
+                    f"{s['kl_rollout_train']:.5f}",
+                ]
+            )
+        )
+    return lines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -333,6 +445,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action="store_true", default=val)
         else:
             p.add_argument(flag, type=type(val) if val is not None else str, default=val)
+    p.set_defaults(_demo_parser=p)  # main() reports bad values through this parser
+
+
+def parse_args(ns: argparse.Namespace) -> tuple[DemoArgs, QuadsConfig]:
+    """DemoArgs and the QUADS config from parsed arguments; a bad value is an argparse error
+    (usage + one line naming the flag, exit status 2) when ns came from add_arguments' parser."""
+    parser = getattr(ns, "_demo_parser", None)
+    try:
+        a = DemoArgs(**{k: getattr(ns, k) for k in vars(DemoArgs())})
+        return a, load_config(a.config)
+    except (ValueError, QuadsConfigError) as e:
+        msg = f"--config {e}" if isinstance(e, QuadsConfigError) else str(e)
+        if parser is None:
+            raise
+        parser.error(msg)
+        raise  # parser.error exits
 
 
 def main(ns: argparse.Namespace | None = None) -> int:
@@ -340,7 +468,7 @@ def main(ns: argparse.Namespace | None = None) -> int:
         p = argparse.ArgumentParser(description=__doc__)
         add_arguments(p)
         ns = p.parse_args()
-    a = DemoArgs(**{k: getattr(ns, k) for k in vars(DemoArgs())})
+    a, qcfg = parse_args(ns)
     # megatron-core warns at import that TE/Apex are absent: expected on a CPU machine
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
     warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
@@ -349,7 +477,6 @@ def main(ns: argparse.Namespace | None = None) -> int:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     install_cpu_shims_for_megatron()
     init_distributed()
-    qcfg = load_config(a.config)
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
 
@@ -388,17 +515,9 @@ def main(ns: argparse.Namespace | None = None) -> int:
         w.writeheader()
         w.writerows(rows)
     summary = summarize(rows, tail=max(1, a.steps // 5))
-    lines = [
-        "| arm | reward first -> last | mean |logp_rollout - logp_train| | max |gap| | KL(rollout||train) |",
-        "|---|---|---|---|---|",
-    ] + [
-        f"| {s['arm']} | {s['first_reward']:.3f} -> {s['final_reward']:.3f} | {s['mean_abs_gap']:.4f} "
-        f"| {s['max_abs_gap']:.3f} "
-        f"| {s['kl_rollout_train']:.5f} |"
-        for s in summary
-    ]
+    lines = summary_table(summary)
     by = {s["arm"]: s for s in summary}
-    verdict = []
+    verdict = [f"quads rollout: {rollout_label(qcfg.rollout)}"]
     if {"bf16", "naive", "quads"} <= by.keys():
         floor, naive, quads = by["bf16"]["mean_abs_gap"], by["naive"]["mean_abs_gap"], by["quads"]["mean_abs_gap"]
         verdict.append(
@@ -409,7 +528,7 @@ def main(ns: argparse.Namespace | None = None) -> int:
             verdict.append(
                 "QUADS did NOT reduce the gap below naive NVFP4 in this run: investigate before trusting it."
             )
-    text = "\n".join(lines + [""] + verdict) + "\n"
+    text = "\n".join(lines + [""] + [f"- {v}" for v in verdict]) + "\n"
     with open(os.path.join(a.out, "demo_summary.md"), "w") as f:
         f.write(text)
     plotted = plot(rows, os.path.join(a.out, "demo_gaps.png"))

@@ -1,30 +1,33 @@
 """Megatron-Core adapter for RAC calibration: record what the rollout's expert GEMMs will quantize.
 
     from quads_megatron.integrations.megatron.calibration import record_expert_inputs
-    with record_expert_inputs(model) as cal:   # forward hooks on every MoE layer's experts
+    cfg = load_config("quads.yaml")                       # rollout.rac.metric / ratio
+    with record_expert_inputs(model, config=cfg) as cal:  # forward hooks on every MoE layer's experts
         for batch in calibration_batches:
-            forward_only(model, batch)           # the script's own eval / forward step
-    cal = cal.merged()                           # all ranks (pipeline, expert, data parallel)
-    w4a4.save_calibration(out_dir, cal, RACConfig(ratio=0.5).num_channels, num_experts)
+            forward_only(model, batch)                    # the script's own eval / forward step
+    cal = cal.merged()                                    # all ranks (pipeline, expert, data parallel)
+    calibration.save_calibration(out_dir, cal, cfg.rollout.rac.num_channels, num_experts)
 
 For each MoE layer (MoELayer.layer_number L, 1-based, global across pipeline stages) the hooks feed
-a w4a4.RACCalibrator with ``<hf_prefix>.<L-1>.mlp.experts.w13``: the routed rows entering fc1 (every
+a RACCalibrator with ``<hf_prefix>.<L-1>.mlp.experts.w13``: the routed rows entering fc1 (every
 token once per expert it is routed to), and ``....w2``: act(gate) * up of fc1's output, what the
 rollout's fc2 quantizes (SGLang applies the router weights at the combine; Megatron folds them into
 fc2's input, so the hook recomputes the activation from fc1's output instead of reading fc2's input).
 Expert tensor parallel: fc2's channels are gathered over the expert-TP group and one rank of it
 records. No Megatron class is patched; leaving the ``with`` removes every hook. Statistics math:
-quads_megatron.w4a4.RACCalibrator.
+quads_megatron.rollout.calibration.RACCalibrator, with the config's rollout.rac.metric.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from quads_megatron.config import QuadsConfig, load_config
 from quads_megatron.errors import QuadsPatchError
 from quads_megatron.rollout import moe_block
 from quads_megatron.rollout.calibration import RACCalibrator
@@ -107,16 +110,37 @@ def _fc1_modules(moe_layer: torch.nn.Module) -> list[torch.nn.Module]:
     )
 
 
+def _calibrator(calibrator: RACCalibrator | None, config: Any) -> RACCalibrator:
+    """The calibrator to feed: the one given, else a new one with the config's rollout.rac.metric
+    (config: QuadsConfig, dict, YAML path, or None = $QUADS_CONFIG, else defaults)."""
+    if config is None and calibrator is not None:
+        return calibrator
+    if config is None and os.environ.get("QUADS_CONFIG"):
+        config = os.environ["QUADS_CONFIG"]
+    metric = load_config(config).rollout.rac.metric
+    if calibrator is None:
+        return RACCalibrator(metric)
+    if calibrator.metric != metric:
+        raise ValueError(
+            f"calibrator metric {calibrator.metric!r} differs from the config's rollout.rac.metric {metric!r}"
+        )
+    return calibrator
+
+
 @contextlib.contextmanager
 def record_expert_inputs(
-    model: Any, calibrator: RACCalibrator | None = None, hf_prefix: str = "model.layers"
+    model: Any,
+    calibrator: RACCalibrator | None = None,
+    hf_prefix: str = "model.layers",
+    config: QuadsConfig | dict[str, Any] | str | os.PathLike[str] | None = None,
 ) -> Iterator[RACCalibrator]:
     """Hooks on every MoELayer of model (a module or a list of virtual-pipeline chunks) for the
-    duration of the ``with``; yields the calibrator they feed (a new 'residual' one by default).
+    duration of the ``with``; yields the calibrator they feed: `calibrator`, else a new one whose
+    metric is the config's rollout.rac.metric (config None: $QUADS_CONFIG, else the default 'residual').
     Raises QuadsPatchError for a model without MoE layers or with experts the rollout cannot serve."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    cal = calibrator if calibrator is not None else RACCalibrator("residual")
+    cal = _calibrator(calibrator, config)
     chunks = model if isinstance(model, (list, tuple)) else [model]
     layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
     if not layers:

@@ -4,12 +4,22 @@ What is patched (class attributes, restored by remove()):
 * MoELayer.__init__: after construction, tag the expert linears (routed and shared) with a
   QuadsTarget (kind, fc1/fc2, owning MoE layer, amax group). Models built before apply() are
   tagged by apply(model=...).
+* MoELayer.forward: an untagged MoE layer whose experts the config quantizes (built before
+  apply() and not passed as model=) raises QuadsPatchError instead of training unquantized;
+  leave_unquantized(model) marks a model (a reference copy) that is meant to stay BF16.
 * ColumnParallelLinear / RowParallelLinear .forward (local spec, SequentialMLP experts): for a
   tagged module the weight attribute is shadowed by fake_quant(weight) for the call.
 * TELinear / TEGroupedLinear ._get_weight_tensors (TE spec; TEGroupedMLP per-expert weight{i}
   or one grouped [E, N, K] weight): returns fake_quant(w) for each weight.
 Router, attention and every untagged linear are untouched; no parameter or buffer is added, so
 state dicts and sharded checkpoints are unchanged. All math lives in quads_megatron.fake_quant.
+
+Refused with QuadsPatchError (from the Megatron config when the layer is tagged, else at first use),
+for layers whose experts the config quantizes: the TE op fuser; TE's delayed expert wgrad
+(delay_wgrad_compute, overlap_dispatch_backward_with_experts_wgrad) without
+gradient_accumulation_fusion (TE's backward_dw would write the gradient onto the fake-quantized
+copies, not the parameters); TE's single grouped expert weight (moe_single_grouped_weight, a
+GroupedTensor); Megatron-FSDP (init_model_with_meta_device, or FSDP / DTensor expert parameters).
 """
 
 from __future__ import annotations
@@ -96,6 +106,7 @@ def _spec_for(module: torch.nn.Module) -> FakeQuantSpec | None:
 
 def _fq(module: torch.nn.Module, w: torch.Tensor, spec: FakeQuantSpec) -> torch.Tensor:
     assert STATE.config is not None
+    _refuse_fsdp_param(w)
     fused = bool(
         getattr(module, "gradient_accumulation_fusion", False) or getattr(module, "fuse_wgrad_accumulation", False)
     )
@@ -135,6 +146,8 @@ def _wrap_get_weight_tensors(orig):
         spec = _spec_for(self)
         if spec is None:
             return weights
+        if getattr(self, "single_grouped_weight", False):
+            raise QuadsPatchError(_SINGLE_GROUPED)
         if len(weights) == 1 and weights[0].dim() == 3:  # one grouped [E, N, K] weight
             spec = FakeQuantSpec(spec.scale_mode, True, spec.amax_group)
         return [_fq(self, w, spec) for w in weights]
@@ -150,6 +163,82 @@ def _wrap_moe_init(orig):
 
     __init__.__wrapped__ = orig  # type: ignore[attr-defined]
     return __init__
+
+
+def _wrap_moe_forward(orig):
+    def forward(self, *args, **kwargs):
+        if self.__dict__.get("_quads_state") is None and _would_quantize(self):
+            raise QuadsPatchError(
+                f"MoE layer {getattr(self, 'layer_number', None)} was built before quads_megatron.apply(), so its "
+                "experts are not fake-quantized: pass model=... to apply() (or apply before building the model); "
+                "to keep a model BF16 on purpose call quads_megatron.integrations.megatron.qat.leave_unquantized(model)"
+            )
+        return orig(self, *args, **kwargs)
+
+    forward.__wrapped__ = orig  # type: ignore[attr-defined]
+    return forward
+
+
+# ----------------------------------------------------------------------------- refusals
+
+_SINGLE_GROUPED = (
+    "moe_single_grouped_weight=True keeps TE's expert weights in one GroupedTensor, which the QUADS weight "
+    "hook cannot fake-quantize with a gradient to the parameter; set moe_single_grouped_weight=False "
+    "(one weight{i} parameter per expert)"
+)
+
+
+def _would_quantize(moe_layer: torch.nn.Module) -> bool:
+    """Whether the current config fake-quantizes any expert of moe_layer (layer number unknown: yes)."""
+    cfg = STATE.config
+    if cfg is None or not cfg.trainer.enabled:
+        return False
+    t = cfg.trainer
+    if not t.wants_layer(getattr(moe_layer, "layer_number", None)):
+        return False
+    routed = "routed" in t.experts and getattr(moe_layer, "experts", None) is not None
+    shared = "shared" in t.experts and getattr(moe_layer, "shared_experts", None) is not None
+    return routed or shared
+
+
+def _refuse_unsupported_config(config: Any) -> None:
+    """QuadsPatchError for Megatron settings under which fake-quantized expert weights train wrongly."""
+    if getattr(config, "use_transformer_engine_op_fuser", False):
+        raise QuadsPatchError(
+            "TEGroupedMLP with use_transformer_engine_op_fuser builds fused TE ops that bypass the weight "
+            "hook; turn the op fuser off for QUADS QAT"
+        )
+    for name in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"):
+        if getattr(config, name, False) and not getattr(config, "gradient_accumulation_fusion", False):
+            raise QuadsPatchError(
+                f"{name}=True without gradient_accumulation_fusion: TE's delayed expert wgrad (backward_dw) "
+                "writes the weight gradient onto the fake-quantized weight copies, so the expert parameters "
+                f"would get none; set gradient_accumulation_fusion=True (--gradient-accumulation-fusion) or "
+                f"{name}=False"
+            )
+    if getattr(config, "moe_single_grouped_weight", False):
+        raise QuadsPatchError(_SINGLE_GROUPED)
+    if getattr(config, "init_model_with_meta_device", False):
+        raise QuadsPatchError(_FSDP)
+
+
+_FSDP = (
+    "Megatron-FSDP (use_megatron_fsdp, init_model_with_meta_device) shards the expert weights (DTensor) and "
+    "gathers them outside the QUADS weight hook, which is not supported; train with Megatron DDP "
+    "(use_megatron_fsdp=False, init_model_with_meta_device=False; the distributed optimizer is fine)"
+)
+_DTENSOR: list[type] = []
+
+
+def _refuse_fsdp_param(w: torch.Tensor) -> None:
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # pragma: no cover - torch without DTensor
+            DTensor = type("NoDTensor", (), {})
+        _DTENSOR.append(DTensor)
+    if getattr(w, "__fsdp_param__", False) or isinstance(w, _DTENSOR[0]):
+        raise QuadsPatchError(_FSDP)
 
 
 # ----------------------------------------------------------------------------- tagging
@@ -171,13 +260,10 @@ def _linear_classes() -> dict[str, type]:
 
 
 def tag_moe_layer(moe_layer: torch.nn.Module) -> int:
-    """Tag the expert linears of one MoELayer; returns how many were tagged."""
-    config = getattr(moe_layer, "config", None)
-    if getattr(config, "use_transformer_engine_op_fuser", False):
-        raise QuadsPatchError(
-            "TEGroupedMLP with use_transformer_engine_op_fuser builds fused TE ops that bypass the weight "
-            "hook; turn the op fuser off for QUADS QAT"
-        )
+    """Tag the expert linears of one MoELayer; returns how many were tagged. QuadsPatchError (nothing
+    tagged) when the layer's Megatron config cannot train fake-quantized experts correctly."""
+    if _would_quantize(moe_layer):
+        _refuse_unsupported_config(getattr(moe_layer, "config", None))
     ref = weakref.ref(moe_layer)
     count = 0
     experts = getattr(moe_layer, "experts", None)
@@ -196,6 +282,7 @@ def tag_moe_layer(moe_layer: torch.nn.Module) -> int:
     shared = getattr(moe_layer, "shared_experts", None)
     if shared is not None:
         count += _tag_mlp(shared, "shared", ref, getattr(shared, "tp_group", None))
+    moe_layer._quads_state = "tagged"
     return count
 
 
@@ -209,12 +296,35 @@ def _tag_mlp(mlp: torch.nn.Module, kind: str, ref: Any, group: Any) -> int:
     return n
 
 
-def tag_model(model: Any) -> int:
-    """Tag every MoELayer inside model (a module or a list of modules, e.g. virtual pipeline chunks)."""
+def _moe_layers(model: Any) -> list[torch.nn.Module]:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    return sum(tag_moe_layer(m) for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer))
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
+
+
+def tag_model(model: Any) -> int:
+    """Tag every MoELayer inside model (a module or a list of modules, e.g. virtual pipeline chunks).
+    Every layer is checked before the first is tagged."""
+    layers = _moe_layers(model)
+    for layer in layers:
+        if _would_quantize(layer):
+            _refuse_unsupported_config(getattr(layer, "config", None))
+            for p in layer.parameters():
+                _refuse_fsdp_param(p)
+    return sum(tag_moe_layer(m) for m in layers)
+
+
+def leave_unquantized(model: Any) -> int:
+    """Mark every MoELayer of model (module or list of chunks) as deliberately BF16: its expert
+    linears lose their tags and its forward runs unquantized while QUADS is applied (e.g. a
+    reference model built before apply()). Returns the number of MoE layers marked."""
+    layers = _moe_layers(model)
+    for layer in layers:
+        for mod in layer.modules():
+            mod.__dict__.pop("_quads_target", None)
+        layer._quads_state = "unquantized"
+    return len(layers)
 
 
 # ----------------------------------------------------------------------------- apply / remove
@@ -236,8 +346,19 @@ def apply(config: QuadsConfig, model: Any = None) -> None:
     check_version()
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from quads_megatron import _startup
+
+    previous = STATE.config
     STATE.config = config
+    if model is not None:
+        try:
+            tag_model(model)
+        except Exception:
+            STATE.config = previous
+            raise
+    _startup.disarm()  # the QUADS_CONFIG startup hook's deferred apply, if armed: this call replaces it
     _patch(MoELayer, "__init__", _wrap_moe_init)
+    _patch(MoELayer, "forward", _wrap_moe_forward)
     for name, cls in _linear_classes().items():
         if name.startswith("TE"):
             if hasattr(cls, "_get_weight_tensors"):
@@ -246,8 +367,6 @@ def apply(config: QuadsConfig, model: Any = None) -> None:
                 _patch(cls, "forward", _wrap_forward)
         else:
             _patch(cls, "forward", _wrap_forward)
-    if model is not None:
-        tag_model(model)
 
 
 def remove() -> None:
