@@ -34,9 +34,11 @@ def test_megatron_patches_on_cuda_tensors(megatron_world):
     import quads_megatron
     from quads_megatron import fake_quant, nvfp4
     from quads_megatron.demo.cpu_megatron import build_moe_layer, moe_config
+    from quads_megatron.integrations.megatron import qat
 
     quads_megatron.remove()
     ref = build_moe_layer(moe_config(), seed=0).cuda()
+    qat.leave_unquantized(ref)  # the reference holds qdq weights and runs unpatched
     with torch.no_grad():
         for n, p in ref.named_parameters():
             if ".local_experts." in n:

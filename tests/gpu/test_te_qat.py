@@ -22,6 +22,7 @@ from megatron_model import build_moe_layer, init_megatron, moe_layer_config, te_
 import quads_megatron
 from quads_megatron import fake_quant, nvfp4
 from quads_megatron.errors import QuadsPatchError
+from quads_megatron.integrations.megatron import qat
 
 TE_SKIP = te_skip_reason()
 pytestmark = pytest.mark.skipif(TE_SKIP is not None, reason=TE_SKIP or "")
@@ -169,6 +170,7 @@ def same(name: str, a: torch.Tensor, b: torch.Tensor, exact: bool) -> None:
 def test_patched_te_layer_equals_layer_holding_qdq_weights(fused, order):
     cfg_kw = {"gradient_accumulation_fusion": fused}
     ref = build_moe_layer(config(**cfg_kw))  # no patch installed: the reference is never tagged
+    qat.leave_unquantized(ref)  # and runs unpatched after apply()
     if order == "apply_then_build":
         quads_megatron.apply(QAT)
         layer = build_moe_layer(config(**cfg_kw))
@@ -236,6 +238,7 @@ def test_delayed_wgrad_with_fusion_matches_reference():
         return c
 
     ref = build_moe_layer(delayed_config())
+    qat.leave_unquantized(ref)
     quads_megatron.apply(QAT)
     layer = build_moe_layer(delayed_config())
     assert layer.experts.linear_fc1.wgrad_store.delay_wgrad_compute()
