@@ -24,16 +24,23 @@ def output_logprobs(meta: dict) -> list[float]:
 
 def input_logprobs(meta: dict, seq: list[int]) -> list[float]:
     """log p(seq[t] | seq[:t]) for t = 1 .. len(seq)-1 from a response to seq asked with
-    logprob_start_len=0; the entries' token ids must be seq's (ValueError otherwise)."""
+    logprob_start_len=0: the run of entries whose token ids are seq[1:] (entries may carry one more
+    at either end: the first token's None logprob, or the first generated token); ValueError when no
+    run of entries matches, naming the first differing position of the best-aligned run."""
     entries = meta["input_token_logprobs"]
-    want = len(seq) - 1
-    if len(entries) < want:
+    want = list(seq[1:])
+    if len(entries) < len(want):
         raise ValueError(f"{len(entries)} input logprobs for a sequence of {len(seq)} tokens")
-    tail = entries[len(entries) - want :]
-    ids = [int(e[1]) for e in tail]
-    if ids != list(seq[1:]):
-        raise ValueError(f"input logprob token ids {ids[:6]}... are not the sequence's {list(seq[1:7])}...")
-    return [float(e[0]) for e in tail]
+    ids = [int(e[1]) for e in entries]
+    for start in range(len(entries) - len(want) + 1):
+        if ids[start : start + len(want)] == want:
+            return [float(e[0]) for e in entries[start : start + len(want)]]
+    first = next((i for i, (a, b) in enumerate(zip(ids[-len(want) :], want, strict=True)) if a != b), None)
+    raise ValueError(
+        f"input logprob token ids ({len(ids)}) do not contain the sequence ({len(want)} after the first); "
+        f"aligned at the end they first differ at position {first}: {ids[-len(want):][first:first + 4]} vs "
+        f"{want[first:first + 4]}"
+    )
 
 
 def graph_evidence(info: dict) -> dict:

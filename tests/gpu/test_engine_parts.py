@@ -120,7 +120,10 @@ def test_worker_parses_responses():
     meta = {"input_token_logprobs": [(None, 5, None), (-1.0, 6, None), (-2.0, 7, None), (-0.5, 8, None)]}
     assert ew.input_logprobs(meta, seq) == [-1.0, -2.0, -0.5]
     assert ew.input_logprobs({"input_token_logprobs": meta["input_token_logprobs"][1:]}, seq) == [-1.0, -2.0, -0.5]
-    with pytest.raises(ValueError, match="not the sequence"):
+    # one extra entry at the end (the first generated token): the run of the sequence's ids is found
+    extra = {"input_token_logprobs": [*meta["input_token_logprobs"], (-3.0, 1, None)]}
+    assert ew.input_logprobs(extra, seq) == [-1.0, -2.0, -0.5]
+    with pytest.raises(ValueError, match="do not contain the sequence.* position 1: \\[7, 8\\] vs \\[9, 8\\]"):
         ew.input_logprobs(meta, [5, 6, 9, 8])
     with pytest.raises(ValueError, match="input logprobs for a sequence"):
         ew.input_logprobs({"input_token_logprobs": [(-1.0, 8, None)]}, seq)
