@@ -41,7 +41,7 @@ import bench_env
 from bench_engine_model import QUADS_ARMS, prepare
 
 ARMS = ("bf16", "fp8", *QUADS_ARMS, "layercheck")
-#: process groups of the arms running now (started with their own session: killed as a whole)
+#: process groups of the arms running now (each started in a new process group: killed as a whole)
 RUNNING: set[int] = set()
 
 
@@ -448,7 +448,7 @@ def run_child(arm: str, batches: list[int], model: str, args, log) -> dict:
     with open(log_path, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--child", spec_path],
-            stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            stdout=f, stderr=subprocess.STDOUT, env=env, process_group=0,
         )  # fmt: skip
         RUNNING.add(proc.pid)
         timed_out = False

@@ -53,7 +53,7 @@ ENGINE_TIMEOUT_S, SERVER_TIMEOUT_S = 300, 300
 PREFILL_GRAPH_TOKENS = 1024  # prefill graphs up to the forced batch's 640 tokens: fewer captures at start
 LOADER = "quads_megatron.integrations.sglang.load_weights"
 REPORT: dict = {}
-#: engine and server processes running now (each the leader of its own session: stopped as a group)
+#: engine and server processes running now (each the leader of a new process group: stopped as a group)
 LIVE: set[subprocess.Popen] = set()
 
 
@@ -238,7 +238,7 @@ class Engines:
         spec_path.write_text(json.dumps(spec))
         cmd = [sys.executable, str(Path(ew.__file__)), str(spec_path), str(out_path)]
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), process_group=0)
             LIVE.add(proc)
             try:
                 proc.wait(timeout=ENGINE_TIMEOUT_S)
@@ -261,7 +261,7 @@ def engines(root, ckpts, ref) -> Engines:
 
 
 def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group this test started (start_new_session), then SIGKILL what is left."""
+    """SIGTERM the process group this test started (process_group=0), then SIGKILL what is left."""
     for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
         if proc.poll() is not None:
             return
@@ -362,7 +362,7 @@ def test_launch_server_readme_command(root, ckpts, engines, ref):
         d["command"] = " ".join(cmd[1:])
         log_path = root / "server.log"
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), process_group=0)
         LIVE.add(proc)
         try:
             url = f"http://127.0.0.1:{port}"
