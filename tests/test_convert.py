@@ -295,6 +295,10 @@ def test_overwrite_never_removes_a_source_or_what_it_did_not_write(tmp_path, mon
         with pytest.raises(ConvertError, match=why):
             checkpoint.convert_hf(str(src), str(dst), opts)
         assert tree(src) == before
+    for inside in (src / "out", tmp_path / "link" / "deeper" / "out"):  # nor writes into a source
+        with pytest.raises(ConvertError, match="refusing to write inside the source"):
+            checkpoint.convert_hf(str(src), str(inside), ConvertOptions(progress=False))
+        assert tree(src) == before
     # an earlier output of the converter is replaced; it is then also what "." or home is here
     out = tmp_path / "out"
     checkpoint.convert_hf(str(src), str(out), ConvertOptions(progress=False))

@@ -129,7 +129,8 @@ class ConversionOutput:
 
     Construction checks the paths and writes nothing: dst must not exist unless overwrite (and then
     be a published output of this converter that holds nothing else), and a leftover ``<dst>.partial``
-    must be this converter's; none of them may be, or contain, a source, '.', '/' or home.
+    must be this converter's; none of them may be, or contain, a source, '.', '/' or home, nor lie
+    inside a source.
     """
 
     def __init__(self, dst: str, sources: list[str], overwrite: bool = False, progress: bool = True) -> None:
@@ -145,9 +146,13 @@ class ConversionOutput:
         self.check_paths()
 
     def check_paths(self) -> None:
+        for src in self.sources:  # the output (and its partial, lock) would land inside a checkpoint read
+            real = os.path.realpath(src)
+            if self.dst.startswith(real.rstrip(os.sep) + os.sep):
+                raise ConvertError(f"{self.dst_arg}: refusing to write inside the source {src}; choose another output")
         if os.path.lexists(self.dst):
             if not self.overwrite:
-                raise ConvertError(f"{self.dst_arg} exists; pass overwrite=True (--overwrite) to replace it")
+                raise ConvertError(f"{self.dst_arg} exists; pass --overwrite (overwrite=True) to replace it")
             check_removable(self.dst, self.sources, published=True)
         if os.path.lexists(self.partial):
             check_removable(self.partial, self.sources, published=False)
