@@ -59,13 +59,14 @@ LIVE: set[subprocess.Popen] = set()
 
 @pytest.fixture(scope="module", autouse=True)
 def stop_children_on_sigterm():
-    """A timeout around pytest (SIGTERM) stops the engine or server it started, then pytest."""
+    """A timeout around pytest (SIGTERM) stops the engine or server it started, then the whole pytest run
+    (pytest.exit: a SystemExit raised inside a test would only fail that test and go on to the next)."""
 
     def stop(signum, frame):
         for proc in list(LIVE):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-        raise SystemExit(128 + signum)
+        pytest.exit(f"stopped by signal {signum}", returncode=128 + signum)
 
     old = signal.signal(signal.SIGTERM, stop)
     yield
