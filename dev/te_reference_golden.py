@@ -105,6 +105,49 @@ def _ties(global_amax: float) -> torch.Tensor:
     return x
 
 
+def _with_amax_block(blocks: torch.Tensor, global_amax: float) -> torch.Tensor:
+    """fp32 rows [blocks (16) | a block holding global_amax]: per tensor and per row, amax = global_amax."""
+    pad = torch.zeros(blocks.shape[0], 16)
+    pad[:, 0] = global_amax
+    return torch.cat([blocks, pad], dim=1)
+
+
+def _scale_rounding(global_amax: float) -> torch.Tensor:
+    """Blocks whose amax b sits next to an E4M3 rounding midpoint of b / 6 (or 1.5 * b / 6) with S_enc = 1
+    (global_amax = 6 * e4m3_max), where (b / 6) * S_enc and b * (S_enc * fp32(1/6)) round to different
+    block scales: 4over6 divides, the plain path multiplies by the folded reciprocal."""
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (grid[1:] + grid[:-1]) / 2
+    six = torch.tensor(6.0)
+    rows = []
+    for mult in (1.0, 1.5):
+        b = mids * 6 / mult
+        near = [b]
+        for direction in (0.0, 1e9):
+            v = b
+            for _ in range(4):
+                v = torch.nextafter(v, torch.full_like(v, direction))
+                near.append(v)
+        b = torch.cat(near)
+        b = b[(b > 0) & (b < global_amax)]
+        split = torch.div(b, six) * mult
+        folded = b * torch.reciprocal(six) * mult
+        b = b[split.to(torch.float8_e4m3fn).float() != folded.to(torch.float8_e4m3fn).float()]
+        rows.append(b[:: max(1, b.numel() // 12)])
+    b = torch.cat(rows)
+    frac = torch.linspace(-0.95, 0.9, 15)
+    return _with_amax_block(torch.cat([b[:, None], b[:, None] * frac], dim=1), global_amax)
+
+
+def _order_sensitive() -> torch.Tensor:
+    """Blocks (found by a seeded search) where 4over6's MAE decision depends on summing the 16 element
+    errors in order rather than pairwise, with S_enc = 1 for e4m3_max 448 (rows 0-1) and 256 (rows 2-3)."""
+    g = torch.Generator().manual_seed(7)
+    b = torch.randn(1_000_000, 16, generator=g) * torch.exp(torch.randn(1_000_000, 1, generator=g))
+    picked = b[[11273, 692206]]
+    return torch.cat([_with_amax_block(picked, 2688.0), _with_amax_block(picked, 1536.0)])
+
+
 def inputs() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(20261205)
 
@@ -153,6 +196,9 @@ def inputs() -> dict[str, torch.Tensor]:
     sign = torch.where(torch.rand(16, 64, generator=g) < 0.5, -1.0, 1.0)
     pow2 = 2.0 ** torch.randint(-3, 4, (16, 4), generator=g).float().repeat_interleave(16, dim=1)
     x["grid_values_16x64"] = (grid[idx] * sign * pow2).to(torch.bfloat16)
+    x["scale_rounding_448"] = _scale_rounding(2688.0)
+    x["scale_rounding_256"] = _scale_rounding(1536.0)
+    x["order_sensitive_4x32"] = _order_sensitive()
     return x
 
 
