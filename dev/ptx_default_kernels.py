@@ -5,7 +5,7 @@
 
 Compiles (no GPU: Triton's own ptxas) the Triton quantize twin and the activation-quantization kernel
 in their default configurations (several tile and mode combinations) and prints one line per kernel:
-its name, the sha256 of its PTX and the PTX length. Constexprs a newer kernel has and this list does
+its name, the sha256 of its PTX (without line info) and the PTX length. Constexprs a newer kernel has and this list does
 not name get their default-off values from EXTRA_DEFAULTS (the options a change adds must compile
 away when off). Run without TRITON_INTERPRET.
 """
@@ -19,6 +19,7 @@ import sys
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("run without TRITON_INTERPRET=1")
+os.environ["TRITON_DISABLE_LINE_INFO"] = "1"  # no .loc / debug sections: the hash is the code, not its line numbers
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
