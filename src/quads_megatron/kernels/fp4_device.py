@@ -205,6 +205,27 @@ def nvfp4_block_scaled_recipe(
 
 
 @triton.jit
+def nvfp4_block_encode_recipe(
+    x0,
+    x1,
+    s_enc,
+    s_dec,
+    amax,
+    FOUR_OVER_SIX: tl.constexpr,
+    E4M3_MAX: tl.constexpr,
+    MSE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """nvfp4_block_encode, or with FOUR_OVER_SIX its 4over6 form (amax, E4M3_MAX, MSE: see there)."""
+    if FOUR_OVER_SIX:
+        y0, y1, sb_code, sb = nvfp4_block_scaled_4over6(x0, x1, s_enc, s_dec, amax, E4M3_MAX, MSE, BLOCK_M, BLOCK_K)
+        return e2m1_code(y0) | (e2m1_code(y1) << 4), sb_code, sb
+    else:
+        return nvfp4_block_encode(x0, x1, s_enc, s_dec, BLOCK_M, BLOCK_K)
+
+
+@triton.jit
 def round_bf16(y):
     """fp32 -> the nearest-even bf16 value, still as fp32 (bit ops: the interpreter's own cast truncates)."""
     yb = y.to(tl.int32, bitcast=True)
