@@ -156,3 +156,25 @@ def test_plain_and_row_are_the_default_contract():
             x, data, scale, _, _ = golden(case, variant)
             assert_same_as_te(nvfp4.quantize(x, mode), data, scale, f"{case} {variant} (recipe=None)")
             assert nvfp4.quantize(x, mode).same_bits(nvfp4.quantize(x, mode, recipe=nvfp4.NVFP4Recipe()))
+
+
+@pytest.mark.parametrize("variant", sorted(v for v in VARIANTS if VARIANTS[v].get("row_scaled_nvfp4")))
+def test_rollout_activations_are_tes_row_scaled_activations(variant):
+    """The rollout's dynamic per-token activation scale is TE's row_scaled_activation (row_scaled_nvfp4):
+    torch reference and Triton act_quant give TE's codes and block scales for every 2-D case."""
+    from quads_megatron.kernels import act_quant
+    from quads_megatron.kernels.tile_configs import ActQuantConfig
+    from quads_megatron.rollout import reference
+
+    _, recipe = variant_args(variant)
+    checked = 0
+    for case in CASES:
+        x, data, scale, _, _ = golden(case, variant)
+        if x.dim() != 2:
+            continue
+        assert_same_as_te(reference.quantize_activation(x, recipe=recipe).x, data, scale, f"{case} {variant}")
+        tiles = ActQuantConfig(block_m=8, block_k=64 if x.shape[1] % 64 == 0 else 32)
+        q = act_quant.quantize_activation(x, config=tiles, recipe=recipe).x
+        assert_same_as_te(q, data, scale, f"{case} {variant} (act_quant)")
+        checked += 1
+    assert checked >= 20
