@@ -257,3 +257,23 @@ def test_megatron_calibration_takes_the_configs_activation_recipe():
     assert cal.recipe == load_config(cfg).nvfp4.activations == nvfp4.NVFP4Recipe(True, 256, "MAE")
     with pytest.raises(ValueError, match="differs from the config's nvfp4 activation recipe"):
         megatron_calibration._calibrator(calibration.RACCalibrator(), cfg)
+
+
+def test_gated_wgmma_operand_follows_the_recipe():
+    """fc2's fused path (SiLU(gate) * up, foreign rows zeroed, Hopper operand order) under 4over6 is the
+    4over6 quantization of the gated activation itself, permuted."""
+    wg = pytest.importorskip("quads_megatron.kernels.gemm_wgmma_launch", reason="needs a Triton with Gluon")
+    recipe = nvfp4.NVFP4Recipe(True, 256, "MSE")
+    m, k = 6, 128
+    y1 = outliers(m, 2 * k, seed=7)
+    valid = torch.tensor([True, False, True, True, False, True])
+    h = torch.where(valid[:, None], moe_block.gated_activation(y1), 0.0)
+    want = act_quant.activation_operand(h, dynamic_channels=32, recipe=recipe)
+    got = act_quant.activation_operand(
+        y1, dynamic_channels=32, gated=True, row_valid=valid, order="wgmma", recipe=recipe
+    )
+    natural = want.values.permute(0, 2, 1).reshape(m, k)
+    assert torch.equal(got.values, natural[:, wg.operand_permutation(k)])
+    assert torch.equal(got.global_decode, want.global_decode)
+    plain = act_quant.activation_operand(y1, dynamic_channels=32, gated=True, row_valid=valid, order="wgmma")
+    assert not torch.equal(got.values, plain.values)
