@@ -5,10 +5,10 @@
 Runs on a CPU: builds a real megatron-core MoE layer (SwiGLU experts), feeds it a few calibration
 batches with the hooks on, and writes rac_plans.safetensors, input_amax.json and
 calibration_stats.safetensors to ./calib (or OUT_DIR). The QUADS config (QUADS_YAML, else
-$QUADS_CONFIG, else examples/quads.yaml) gives the block statistic (rollout.rac.metric) and the
-compensated fraction (rollout.rac.ratio). In a real job, wrap the script's own forward-only passes
-over representative prompts (after loading the checkpoint, with or without quads_megatron.apply())
-on every rank:
+$QUADS_CONFIG, else examples/quads.yaml) gives the block statistic (rollout.rac.metric), the
+compensated fraction (rollout.rac.ratio) and the activations' NVFP4 variant (nvfp4). In a real job,
+wrap the script's own forward-only passes over representative prompts (after loading the
+checkpoint, with or without quads_megatron.apply()) on every rank:
 
     from quads_megatron.config import load_config
     from quads_megatron.integrations.megatron.calibration import record_expert_inputs

@@ -10,7 +10,9 @@ runs the quads_nvfp4 method:
 
 (the server was launched with --custom-weight-loader quads_megatron.integrations.sglang.load_weights).
 Each bucket keeps an expert's gate and up together (they share one global scale), so the server
-can check and apply it on its own.
+can check and apply it on its own. Pass the QUADS config's NVFP4 variant
+(``nvfp4_config=load_config("quads.yaml").nvfp4``, the one the trainer fake-quantizes with) when it
+is not plain NVFP4.
 """
 
 from quads_megatron import checkpoint

@@ -302,3 +302,30 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
             ys += [gemm(config=WgmmaConfig(**three, tma_store=True))]
         assert len(ys) == (4 if bt == 128 and layer == "fc1" else 2)
         assert all(torch.equal(ys[0], y) for y in ys[1:]), kw
+
+
+@pytest.mark.parametrize("err_mode,e4m3_max", [("MAE", 256), ("MSE", 448)])
+def test_four_over_six_kernels_on_cuda_equal_the_contract(err_mode, e4m3_max):
+    """The 4over6 Triton kernels compiled for the GPU (fma off, div_rn) give the torch contract's bits:
+    the quantize twin per tensor and per row, TE's golden vectors, and act_quant with dynamic RAC."""
+    from quads_megatron import nvfp4
+    from quads_megatron.kernels import act_quant, nvfp4_quant
+    from quads_megatron.rollout import reference
+    from test_te_golden import CASES, assert_same_as_te, golden
+
+    recipe = nvfp4.NVFP4Recipe(True, e4m3_max, err_mode)
+    cpu = lambda t: nvfp4.NVFP4Tensor(t.codes.cpu(), t.block_scales.cpu(), t.global_decode.cpu())  # noqa: E731
+    g = torch.Generator(device="cuda").manual_seed(0)
+    spread = torch.exp(torch.randn(H, generator=g, device="cuda"))
+    w = torch.randn(2 * INTER, H, generator=g, device="cuda") * spread
+    for mode in ("tensor", "row"):
+        assert nvfp4.quantize(w.cpu(), mode, recipe=recipe).same_bits(cpu(nvfp4_quant.quantize(w, mode, recipe=recipe)))
+    variant = f"fos_{err_mode.lower()}_{e4m3_max}"
+    for case in CASES:
+        x, data, scale, _, _ = golden(case, variant)
+        q = nvfp4_quant.quantize(x.cuda(), recipe=recipe, block_k=64 if x.shape[-1] % 64 == 0 else 32)
+        assert_same_as_te(cpu(q), data, scale, case)
+    x = (torch.randn(64, H, generator=g, device="cuda") * spread).bfloat16()
+    want = reference.quantize_activation(x.cpu(), dynamic_channels=256, recipe=recipe)
+    got = act_quant.quantize_activation(x, dynamic_channels=256, recipe=recipe)
+    assert want.x.same_bits(cpu(got.x)) and want.residual.same_bits(cpu(got.residual))

@@ -32,7 +32,9 @@ CONVERT_EPILOG = f"""files:
   --rac-plans       safetensors of int64 block indices named <moe prefix>.w13 and <moe prefix>.w2
                     (e.g. model.layers.0.mlp.experts.w13), a pair for every MoE layer; written by
                     examples/calibrate_rac.py
-  --quads-config    the QUADS YAML; its rollout section is embedded for the quads_nvfp4 method
+  --quads-config    the QUADS YAML (the trainer's): its nvfp4 section is the variant the weights are
+                    quantized with (and recorded), its rollout section is embedded for the
+                    quads_nvfp4 method
 
 {EXIT_CODES}
 """
@@ -98,8 +100,8 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument(
         "--quads-config",
         metavar="YAML",
-        help="embed this QUADS config's rollout settings (static RAC needs --rac-plans, static activation "
-        "scales need --input-amax)",
+        help="quantize with this QUADS config's nvfp4 variant (4over6, ...) and embed its rollout settings "
+        "(static RAC needs --rac-plans, static activation scales need --input-amax); default: plain NVFP4",
     )
     c.add_argument(
         "--rac-plans",
@@ -119,19 +121,21 @@ def _convert(args: argparse.Namespace) -> int:
         quads_extras,
         verify_conversion,
     )
-    from quads_megatron.config import load_config
+    from quads_megatron.config import NVFP4Config, load_config
     from quads_megatron.errors import ConvertError, QuadsConfigError
-    from quads_megatron.nvfp4 import E2M1_MAX, E4M3_MAX
 
     input_amax = load_input_amax(args.input_amax) if args.input_amax else {}
     rollout = None
+    nvfp4_config = NVFP4Config()
     if args.quads_config:
         try:
-            rollout = load_config(args.quads_config).to_dict()["rollout"]
+            config = load_config(args.quads_config)
         except QuadsConfigError as e:
             raise ConvertError(f"{args.quads_config}: {e}") from e
+        rollout, nvfp4_config = config.to_dict()["rollout"], config.nvfp4
     quads = quads_extras(rollout, args.rac_plans) if (rollout or args.rac_plans) else {}
     opts = ConvertOptions(
+        nvfp4=nvfp4_config,
         quads=quads,
         include_shared_experts=args.include_shared_experts,
         exclude=tuple(args.exclude),
@@ -146,7 +150,7 @@ def _convert(args: argparse.Namespace) -> int:
         print(f"verified {n} tensors of {args.dst} against {args.src}")
         return 0
     if not input_amax:
-        amax = UNCALIBRATED_INPUT_SCALE * E2M1_MAX * E4M3_MAX
+        amax = UNCALIBRATED_INPUT_SCALE * nvfp4_config.activations.global_scale_numerator
         print(
             f"quads convert: warning: no --input-amax: every quantized linear gets input_scale "
             f"{UNCALIBRATED_INPUT_SCALE} (activation amax {amax:g}) for stock ModelOpt loaders; "

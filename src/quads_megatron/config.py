@@ -16,6 +16,11 @@ Example (every key optional; these are the defaults)::
         ratio: 0.5               # fraction of K compensated, rounded up to 16 channels (QUADS: 50%)
         selection: dynamic       # dynamic (per token, no calibration) | static (calibrated per layer)
         metric: residual         # static plans' calibration statistic: residual | amax
+    nvfp4:                       # the NVFP4 variant, in the fields of TE's NVFP4BlockScaling recipe
+      nvfp4_4over6: none         # 4over6 block scaling for: none | weights | activations | all
+      nvfp4_4over6_e4m3_use_256: all  # 4over6 tensors whose global scale maps amax to 256, not 448
+      nvfp4_4over6_err_mode: MAE # 4over6 candidate error: MAE | MSE
+      row_scaled_activation: true  # dynamic activation scales per token (the only dynamic mode served)
 
 * trainer.scale_mode: only ``tensor``. ModelOpt NVFP4 checkpoints, ``quads convert``, live sync and
   the quads_nvfp4 rollout hold one per-tensor global scale (``weight_scale_2``) per expert weight,
@@ -24,6 +29,13 @@ Example (every key optional; these are the defaults)::
 * rollout.rac.metric: the statistic RAC calibration ranks 16-channel blocks by when it builds static
   plans (``record_expert_inputs(model, config=...)``, examples/calibrate_rac.py): ``residual`` = the
   squared NVFP4 residual |x - dq(q(x))|^2 summed over rows, ``amax`` = the block's max |x|.
+* nvfp4: one section for trainer fake-quant, ``quads convert``, live sync and the rollout, so all of them
+  make the same numbers (quads_megatron.nvfp4.NVFP4Recipe; tests/test_te_golden.py checks them against
+  TE's reference). Key names and values are TE's (``NVFP4BlockScaling`` / ``NVTE_NVFP4_*``), with one
+  difference: row_scaled_activation defaults to true, the rollout's per-token dynamic scale; false (TE's
+  default, one dynamic amax over a whole activation tensor, which makes a token's numbers depend on the
+  rest of the batch) is refused. rollout.activation_scale: static replaces the dynamic amax by the
+  calibrated one. Row-scaled weights are trainer.scale_mode: row (refused, see above).
 * No top-level ``exclude``: the trainer picks what it fake-quantizes with trainer.experts / linears /
   layers; a checkpoint keeps modules BF16 with ``quads convert --exclude GLOB``.
 
@@ -41,6 +53,7 @@ from typing import Any
 import yaml
 
 from quads_megatron.errors import QuadsConfigError
+from quads_megatron.nvfp4 import ERR_MODES, NVFP4Recipe
 
 #: trainer.scale_mode values: per-tensor only (what ModelOpt checkpoints and the rollout hold)
 TRAINER_SCALE_MODES = ("tensor",)
@@ -118,10 +131,67 @@ class TrainerConfig:
         return self.layers == "all" or layer_number is None or layer_number in self.layers
 
 
+#: which tensors a 4over6 option covers (TE: nvfp4_4over6, nvfp4_4over6_e4m3_use_256)
+FOUR_OVER_SIX_SCOPES = ("none", "weights", "activations", "all")
+
+
+@dataclass(frozen=True)
+class NVFP4Config:
+    """nvfp4: the variant of every NVFP4 number made (see the module docstring); .weights and .activations
+    are the per-tensor NVFP4Recipe of expert weights and of the rollout's activations, as TE builds its
+    forward quantizers from the same fields (4over6 with a 256 bound only where both scopes cover it)."""
+
+    nvfp4_4over6: str = "none"
+    nvfp4_4over6_e4m3_use_256: str = "all"
+    nvfp4_4over6_err_mode: str = "MAE"
+    row_scaled_activation: bool = True
+
+    def __post_init__(self) -> None:
+        _check_choice("nvfp4.nvfp4_4over6", self.nvfp4_4over6, FOUR_OVER_SIX_SCOPES)
+        _check_choice("nvfp4.nvfp4_4over6_e4m3_use_256", self.nvfp4_4over6_e4m3_use_256, FOUR_OVER_SIX_SCOPES)
+        mode = self.nvfp4_4over6_err_mode
+        _check_choice("nvfp4.nvfp4_4over6_err_mode", mode.upper() if isinstance(mode, str) else mode, ERR_MODES)
+        object.__setattr__(self, "nvfp4_4over6_err_mode", mode.upper())
+        _check_type("nvfp4.row_scaled_activation", self.row_scaled_activation, bool)
+        if not self.row_scaled_activation:
+            raise QuadsConfigError(
+                "nvfp4.row_scaled_activation: false (TE's default: one dynamic amax per activation tensor, so a "
+                "token's numbers depend on the rest of its batch) is not served; the rollout scales activations "
+                "per token (true, TE's row_scaled_activation=True) or by a calibrated amax (rollout.activation_scale: "
+                "static)"
+            )
+
+    def recipe(self, tensors: str) -> NVFP4Recipe:
+        """The NVFP4Recipe of 'weights' or 'activations'."""
+        if tensors not in ("weights", "activations"):
+            raise ValueError(f"tensors must be 'weights' or 'activations', got {tensors!r}")
+        if self.nvfp4_4over6 not in ("all", tensors):
+            return NVFP4Recipe()
+        e4m3_max = 256 if self.nvfp4_4over6_e4m3_use_256 in ("all", tensors) else 448
+        return NVFP4Recipe(use_4over6=True, e4m3_max=e4m3_max, err_mode=self.nvfp4_4over6_err_mode)
+
+    @property
+    def weights(self) -> NVFP4Recipe:
+        return self.recipe("weights")
+
+    @property
+    def activations(self) -> NVFP4Recipe:
+        return self.recipe("activations")
+
+    @property
+    def is_default(self) -> bool:
+        """Plain NVFP4 for weights and activations (what a checkpoint without an nvfp4 record holds)."""
+        return self.weights == NVFP4Recipe() and self.activations == NVFP4Recipe()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 @dataclass(frozen=True)
 class QuadsConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    nvfp4: NVFP4Config = field(default_factory=NVFP4Config)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> QuadsConfig:
@@ -188,6 +258,7 @@ _NESTED: dict[tuple[str, str], type] = {
     ("QuadsConfig", "trainer"): TrainerConfig,
     ("QuadsConfig", "rollout"): RolloutConfig,
     ("RolloutConfig", "rac"): RACConfig,
+    ("QuadsConfig", "nvfp4"): NVFP4Config,
 }
 
 

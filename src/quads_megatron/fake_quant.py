@@ -32,11 +32,13 @@ class FakeQuantSpec:
     experts_dim0: the weight is [E, N, K] holding E experts (one global scale per expert).
     amax_group: process group over which the global amax is max-reduced (expert tensor
         parallel shards of one expert), so the codes do not depend on the TP/EP layout.
+    recipe: the NVFP4 variant (config nvfp4 section's weight recipe), as the converter and live sync use.
     """
 
     scale_mode: str = "tensor"
     experts_dim0: bool = False
     amax_group: Any = None
+    recipe: nvfp4.NVFP4Recipe = nvfp4.DEFAULT_RECIPE
 
 
 @dataclass
@@ -72,13 +74,15 @@ def _reduce_amax(a: torch.Tensor, group: Any) -> torch.Tensor:
     return a
 
 
-def _qdq(x: torch.Tensor, scale_mode: str, global_amax: torch.Tensor) -> torch.Tensor:
-    """Contract QDQ in x.dtype; on CUDA through its Triton twin (bit-identical, checked on the H200)."""
+def _qdq(x: torch.Tensor, scale_mode: str, global_amax: torch.Tensor, recipe: nvfp4.NVFP4Recipe) -> torch.Tensor:
+    """Contract QDQ in x.dtype; on CUDA through its Triton twin (bit-identical: checked on the H200 for
+    the plain recipe, and under the interpreter against TE's reference for every recipe)."""
     if x.is_cuda:
         from quads_megatron.kernels import nvfp4_quant
 
-        return nvfp4.dequantize(nvfp4_quant.quantize(x, scale_mode, global_amax, check=False), x.dtype)  # type: ignore[arg-type]
-    return nvfp4.qdq(x, scale_mode, global_amax, check=False)  # type: ignore[arg-type]
+        q = nvfp4_quant.quantize(x, scale_mode, global_amax, check=False, recipe=recipe)  # type: ignore[arg-type]
+        return nvfp4.dequantize(q, x.dtype)
+    return nvfp4.qdq(x, scale_mode, global_amax, check=False, recipe=recipe)  # type: ignore[arg-type]
 
 
 def qdq_weight(w: torch.Tensor, spec: FakeQuantSpec) -> torch.Tensor:
@@ -91,8 +95,9 @@ def qdq_weight(w: torch.Tensor, spec: FakeQuantSpec) -> torch.Tensor:
         if spec.scale_mode == "tensor":
             a = x.abs().amax(dim=(1, 2)).float()
             a = _reduce_amax(a, spec.amax_group)
-            return torch.stack([_qdq(x[e], "tensor", a[e]) for e in range(x.shape[0])])
-    return _qdq(x, spec.scale_mode, _reduce_amax(nvfp4.amax(x, spec.scale_mode), spec.amax_group))  # type: ignore[arg-type]
+            return torch.stack([_qdq(x[e], "tensor", a[e], spec.recipe) for e in range(x.shape[0])])
+    a = _reduce_amax(nvfp4.amax(x, spec.scale_mode), spec.amax_group)  # type: ignore[arg-type]
+    return _qdq(x, spec.scale_mode, a, spec.recipe)
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -123,7 +128,7 @@ def fake_quant_weight(
     fused_wgrad: the consuming layer accumulates wgrad straight into ``w.main_grad``
     (Megatron gradient_accumulation_fusion / TE fuse_wgrad_accumulation).
     """
-    key = (w._version, w.data_ptr(), _GENERATION[0], spec.scale_mode, spec.experts_dim0)
+    key = (w._version, w.data_ptr(), _GENERATION[0], spec.scale_mode, spec.experts_dim0, spec.recipe)
     hit = _CACHE.get(id(w)) if cache else None
     if hit is not None and hit[0]() is w and hit[1] == key:
         STATS.cache_hits += 1

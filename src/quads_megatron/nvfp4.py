@@ -16,6 +16,15 @@ stochastic rounding), see shared notes nvfp4-format.md section 2:
 E2M1 code = sign << 3 | index into (0, .5, 1, 1.5, 2, 3, 4, 6); the sign bit is set for values
 strictly below zero (so -0.0 encodes as +0, like TE's reference).
 
+Variants (NVFP4Recipe, the options of TE's NVFP4QuantizerRef; default = the rules above):
+
+* 4over6 (``use_4over6``): S_enc = min(6 * e4m3_max / amax, FLT_MAX) with e4m3_max 448 or 256; per block
+  base = (b_amax / 6) * S_enc, candidates s_4 = e4m3(1.5 * base) (block max to 4) and s_6 = e4m3(base)
+  (to 6), each encoded as above; their error sum_i |d_i| (MAE) or sum_i d_i^2 (MSE), summed in element
+  order, d_i = ((value(q_i) * s) * amax) / (6 * e4m3_max) - x_i; s_4 wins only when strictly lower.
+* row-scaled (TE's ``row_scaled_nvfp4``): scale_mode='row', one global amax per row.
+The decode is the same for every variant, so the ModelOpt names below hold for all of them.
+
 ModelOpt names the same numbers: ``weight`` = packed codes, ``weight_scale`` = s_b,
 ``weight_scale_2`` = S_dec (within one ulp of amax/2688; we ship the exact decode factor so
 ``(value(q) * weight_scale) * weight_scale_2`` is bit-identical to our dequantization), and
@@ -43,6 +52,63 @@ E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 ScaleMode = Literal["tensor", "row"]
 SCALE_MODES: tuple[str, ...] = ("tensor", "row")
+#: global E4M3 bounds a recipe may scale to (TE: nvfp4_e4m3_max, 256 only with 4over6)
+E4M3_MAX_CHOICES = (448, 256)
+#: 4over6 candidate error metrics (TE: nvfp4_4over6_err_mode)
+ERR_MODES = ("MAE", "MSE")
+
+
+@dataclass(frozen=True)
+class NVFP4Recipe:
+    """How one tensor is quantized: the options of TE's NVFP4QuantizerRef, named without its ``nvfp4_``
+    prefix. The default is plain NVFP4 (every function here is then what it was without recipes).
+
+    use_4over6: per block, scale the block max to 4 or to 6, whichever has the lower error (TE 2.17+).
+    e4m3_max: the E4M3 bound the global scale maps amax to (S_enc = 6 * e4m3_max / amax): 448, or 256
+        with 4over6 (which leaves map-to-4 scales room below 448).
+    err_mode: 4over6's error metric, 'MAE' or 'MSE' (upper case, as TE; lower case is accepted).
+    Row scaling (TE's row_scaled_nvfp4) is quantize's scale_mode='row', not a recipe field. Options that
+    would change nothing (e4m3_max 256 or err_mode MSE without 4over6) are refused rather than ignored.
+    """
+
+    use_4over6: bool = False
+    e4m3_max: int = 448
+    err_mode: str = "MAE"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.use_4over6, bool):
+            raise TypeError(f"NVFP4Recipe.use_4over6 must be a bool, got {self.use_4over6!r}")
+        if isinstance(self.e4m3_max, bool) or self.e4m3_max not in E4M3_MAX_CHOICES:
+            raise ValueError(f"NVFP4Recipe.e4m3_max must be one of {E4M3_MAX_CHOICES}, got {self.e4m3_max!r}")
+        if not isinstance(self.err_mode, str) or self.err_mode.upper() not in ERR_MODES:
+            raise ValueError(f"NVFP4Recipe.err_mode must be one of {ERR_MODES}, got {self.err_mode!r}")
+        object.__setattr__(self, "e4m3_max", int(self.e4m3_max))
+        object.__setattr__(self, "err_mode", self.err_mode.upper())
+        if not self.use_4over6 and (self.e4m3_max != 448 or self.err_mode != "MAE"):
+            raise ValueError(
+                f"NVFP4Recipe: e4m3_max={self.e4m3_max} / err_mode={self.err_mode!r} apply to 4over6 only "
+                "(use_4over6=True); plain NVFP4 scales to 448"
+            )
+
+    @property
+    def global_scale_numerator(self) -> float:
+        """6 * e4m3_max: S_enc = this / amax (2688, or 1536 for e4m3_max 256)."""
+        return E2M1_MAX * self.e4m3_max
+
+    def to_dict(self) -> dict[str, object]:
+        return {"use_4over6": self.use_4over6, "e4m3_max": self.e4m3_max, "err_mode": self.err_mode}
+
+
+#: plain NVFP4 (no 4over6, global scale to 448): what every recipe= argument defaults to
+DEFAULT_RECIPE = NVFP4Recipe()
+
+
+def _recipe(recipe: NVFP4Recipe | None) -> NVFP4Recipe:
+    if recipe is None:
+        return DEFAULT_RECIPE
+    if not isinstance(recipe, NVFP4Recipe):
+        raise TypeError(f"recipe must be an NVFP4Recipe or None, got {type(recipe).__name__}")
+    return recipe
 
 
 @dataclass(frozen=True)
@@ -116,16 +182,17 @@ def amax(x: torch.Tensor, scale_mode: ScaleMode = "tensor") -> torch.Tensor:
     raise NVFP4InputError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
 
 
-def global_encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = min(2688/amax, FLT_MAX) in fp32, 1 where amax == 0 or S_enc == 0 (same shape)."""
+def global_encode_scale(global_amax: torch.Tensor, recipe: NVFP4Recipe | None = None) -> torch.Tensor:
+    """S_enc = min(6 * e4m3_max / amax, FLT_MAX) in fp32 (2688 / amax by default), 1 where amax == 0 or
+    S_enc == 0 (same shape)."""
     a = global_amax.float()
-    s = torch.clamp(torch.div(E4M3_MAX * E2M1_MAX, a), max=FP32_MAX)
+    s = torch.clamp(torch.div(_recipe(recipe).global_scale_numerator, a), max=FP32_MAX)
     return torch.where((a == 0) | (s == 0), torch.ones_like(s), s)
 
 
-def global_decode_scale(global_amax: torch.Tensor) -> torch.Tensor:
+def global_decode_scale(global_amax: torch.Tensor, recipe: NVFP4Recipe | None = None) -> torch.Tensor:
     """S_dec = 1 / S_enc (fp32, correctly rounded division)."""
-    return torch.div(1.0, global_encode_scale(global_amax))
+    return torch.div(1.0, global_encode_scale(global_amax, recipe))
 
 
 def e4m3_rne(x: torch.Tensor) -> torch.Tensor:
@@ -190,15 +257,18 @@ def quantize(
     scale_mode: ScaleMode = "tensor",
     global_amax: torch.Tensor | None = None,
     check: bool = True,
+    recipe: NVFP4Recipe | None = None,
 ) -> NVFP4Tensor:
     """Quantize x [..., K] (K % 16 == 0) to NVFP4.
 
-    scale_mode: 'tensor' (one global scale) or 'row' (one per row along the last dim).
+    scale_mode: 'tensor' (one global scale) or 'row' (one per row along the last dim: TE's row-scaled).
     global_amax: override the global amax (e.g. the shared amax of fused gate/up w1|w3, or a
         calibrated activation amax); shape [] for 'tensor' or [..., 1] for 'row'.
     check: validate finiteness and shape (raise NVFP4InputError); leave on unless the caller
         has just checked.
+    recipe: the variant (NVFP4Recipe; None = plain NVFP4); 4over6 also uses global_amax in its error.
     """
+    recipe = _recipe(recipe)
     if check:
         check_quantizable(x, "quantize input")
     if scale_mode not in SCALE_MODES:
@@ -214,16 +284,54 @@ def quantize(
             global_amax = global_amax.reshape(())
         if not bool(torch.isfinite(global_amax).all()) or bool((global_amax < 0).any()):
             raise NVFP4InputError("global_amax must be finite and non-negative")
-    s_enc = global_encode_scale(global_amax)
+    s_enc = global_encode_scale(global_amax, recipe)
     s_dec = torch.div(1.0, s_enc)
     blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
     block_amax = blocks.abs().amax(dim=-1)
     # per-row S_enc/S_dec are [..., 1] and broadcast over the K/16 blocks of their row
-    scales = block_scales_from_amax(block_amax, s_enc)
+    if recipe.use_4over6:
+        scales, codes = _four_over_six(blocks, block_amax, global_amax, s_enc, s_dec, recipe)
+    else:
+        scales = block_scales_from_amax(block_amax, s_enc)
+        codes = _encode_blocks(blocks, scales, s_dec)
+    return NVFP4Tensor(codes=pack_e2m1(codes.reshape(xf.shape)), block_scales=scales, global_decode=s_dec)
+
+
+def _encode_blocks(blocks: torch.Tensor, scales: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes uint8 [..., K/16, 16] of fp32 blocks under E4M3 block scales [..., K/16] and S_dec."""
     enc = torch.clamp(torch.div(1.0, scales.float() * s_dec), max=FP32_MAX)
-    scaled = torch.clamp(blocks * enc.unsqueeze(-1), -E2M1_MAX, E2M1_MAX)
-    codes = e2m1_encode(scaled.reshape(xf.shape))
-    return NVFP4Tensor(codes=pack_e2m1(codes), block_scales=scales, global_decode=s_dec)
+    return e2m1_encode(torch.clamp(blocks * enc.unsqueeze(-1), -E2M1_MAX, E2M1_MAX))
+
+
+def _four_over_six(
+    blocks: torch.Tensor,
+    block_amax: torch.Tensor,
+    global_amax: torch.Tensor,
+    s_enc: torch.Tensor,
+    s_dec: torch.Tensor,
+    recipe: NVFP4Recipe,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """4over6 block scales [..., K/16] and codes [..., K/16, 16] of fp32 blocks (module docstring).
+
+    The candidates' errors decode with amax / (6 * e4m3_max), as TE's reference does (not S_dec), and
+    are summed element by element in order, so near-equal candidates are decided as TE decides them.
+    """
+    base = torch.div(block_amax, E2M1_MAX) * s_enc
+    amax_b = global_amax.float().unsqueeze(-1)  # [] -> [1], [..., 1] -> [..., 1, 1]: over the blocks' elements
+    denom = torch.tensor(recipe.global_scale_numerator, dtype=torch.float32)
+    candidates = []
+    for scale in (e4m3_rne(base * 1.5), e4m3_rne(base)):  # map-to-4, map-to-6
+        codes = _encode_blocks(blocks, scale, s_dec)
+        d = (e2m1_decode(codes) * scale.float().unsqueeze(-1)) * amax_b / denom - blocks
+        d = d.abs() if recipe.err_mode == "MAE" else d * d
+        err = torch.zeros_like(block_amax)
+        for i in range(BLOCK_SIZE):
+            err = err + d[..., i]
+        candidates.append((scale, codes, err))
+    (s4, c4, e4), (s6, c6, e6) = candidates
+    pick4 = e4 < e6
+    scales = torch.where(pick4, s4.view(torch.uint8), s6.view(torch.uint8)).view(torch.float8_e4m3fn)
+    return scales, torch.where(pick4.unsqueeze(-1), c4, c6)
 
 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -242,9 +350,10 @@ def qdq(
     scale_mode: ScaleMode = "tensor",
     global_amax: torch.Tensor | None = None,
     check: bool = True,
+    recipe: NVFP4Recipe | None = None,
 ) -> torch.Tensor:
     """dequantize(quantize(x)) in x.dtype (no gradient: see quads_megatron.fake_quant for STE)."""
-    return dequantize(quantize(x, scale_mode, global_amax, check), x.dtype)
+    return dequantize(quantize(x, scale_mode, global_amax, check, recipe), x.dtype)
 
 
 def shared_amax(*tensors: torch.Tensor) -> torch.Tensor:
@@ -257,7 +366,13 @@ def shared_amax(*tensors: torch.Tensor) -> torch.Tensor:
 
 def to_modelopt(t: NVFP4Tensor) -> dict[str, torch.Tensor]:
     """ModelOpt NVFP4 tensors of one linear: weight uint8 [N, K/2], weight_scale e4m3 [N, K/16],
-    weight_scale_2 fp32 (scalar, or [N, 1] for per-row) = S_dec."""
+    weight_scale_2 fp32 scalar = S_dec. ModelOpt holds one global scale per weight, so a row-scaled
+    tensor (scale_mode='row', TE's row_scaled_nvfp4) is refused."""
+    if t.global_decode.numel() != 1:
+        raise NVFP4InputError(
+            f"row-scaled NVFP4 weights (scale_mode='row', TE's row_scaled_nvfp4) have no ModelOpt form: "
+            f"weight_scale_2 is one per-tensor scale, got {tuple(t.global_decode.shape)}"
+        )
     return {
         "weight": t.codes,
         "weight_scale": t.block_scales,
@@ -280,12 +395,13 @@ def from_modelopt(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale
     return NVFP4Tensor(weight, weight_scale, weight_scale_2.float())
 
 
-def input_scale_from_amax(act_amax: torch.Tensor) -> torch.Tensor:
-    """ModelOpt static ``input_scale`` of a calibrated activation amax: S_dec(amax), fp32."""
-    return global_decode_scale(act_amax.float())
+def input_scale_from_amax(act_amax: torch.Tensor, recipe: NVFP4Recipe | None = None) -> torch.Tensor:
+    """ModelOpt static ``input_scale`` of a calibrated activation amax: S_dec(amax), fp32 (recipe: the
+    activations' variant; e4m3_max 256 makes it amax / 1536)."""
+    return global_decode_scale(act_amax.float(), recipe)
 
 
-def amax_from_input_scale(input_scale: torch.Tensor) -> torch.Tensor:
-    """The activation amax a ModelOpt ``input_scale`` (= S_dec = amax / 2688) stands for, fp32. Its
-    S_enc = 2688 / amax equals 1 / input_scale within 1 ulp (what ModelOpt kernels use)."""
-    return input_scale.float() * (E2M1_MAX * E4M3_MAX)
+def amax_from_input_scale(input_scale: torch.Tensor, recipe: NVFP4Recipe | None = None) -> torch.Tensor:
+    """The activation amax a ModelOpt ``input_scale`` (= S_dec = amax / (6 * e4m3_max)) stands for, fp32.
+    Its S_enc = 6 * e4m3_max / amax equals 1 / input_scale within 1 ulp (what ModelOpt kernels use)."""
+    return input_scale.float() * _recipe(recipe).global_scale_numerator

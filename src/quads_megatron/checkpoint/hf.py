@@ -181,8 +181,9 @@ def convert_hf(src: str, dst: str, opts: ConvertOptions | None = None) -> dict[s
                         if name in targets:
                             mod, _ = targets[name]
                             amax = amaxes.get(mod)
-                            q = quantize_linear(t, name, torch.tensor(amax) if amax is not None else None)
-                            tensors.update(modelopt_tensors(mod, q, input_amax.get(mod)))
+                            g = torch.tensor(amax) if amax is not None else None
+                            q = quantize_linear(t, name, g, opts.nvfp4.weights)
+                            tensors.update(modelopt_tensors(mod, q, input_amax.get(mod), opts.nvfp4.activations))
                         else:
                             tensors[name] = t
                 fill_input_scales(tensors)
@@ -193,7 +194,9 @@ def convert_hf(src: str, dst: str, opts: ConvertOptions | None = None) -> dict[s
             progress.step(shard)
         out.write_index(weight_map)
         exclude = sorted(excluded_linears(names, targets))
-        write_quant_configs(model_config, out.partial, exclude, opts.quads, calibrated=bool(opts.input_amax))
+        write_quant_configs(
+            model_config, out.partial, exclude, opts.quads_block(), bool(opts.input_amax), opts.nvfp4
+        )
         copy_side_files(src, out.partial)
         out.verify(lambda: verify_conversion(src, out.partial, opts), opts.verify)
         out.publish()
@@ -228,7 +231,7 @@ def _gate_up_amaxes(
 
 def verify_conversion(src: str, out: str, opts: ConvertOptions | None = None) -> int:
     """Re-read out and check every tensor against src: quantized ones bit-identical to a fresh
-    contract quantization (so dq equals the trainer's qdq) with the input_scale opts gives (or the
+    contract quantization under opts.nvfp4 (so dq equals the trainer's qdq) with the input_scale opts gives (or the
     uncalibrated default), others byte-identical with the same dtype and shape; nothing else in out.
     Returns the number of source tensors checked."""
     opts = opts or ConvertOptions()
@@ -263,7 +266,8 @@ def verify_conversion(src: str, out: str, opts: ConvertOptions | None = None) ->
                 if name in targets:
                     mod = targets[name][0]
                     amax = amaxes.get(mod)
-                    want = nvfp4.quantize(t, "tensor", torch.tensor(amax) if amax is not None else None)
+                    g = torch.tensor(amax) if amax is not None else None
+                    want = nvfp4.quantize(t, "tensor", g, recipe=opts.nvfp4.weights)
                     got = nvfp4.from_modelopt(
                         get(f"{mod}.weight"), get(f"{mod}.weight_scale"), get(f"{mod}.weight_scale_2")
                     )
@@ -271,7 +275,7 @@ def verify_conversion(src: str, out: str, opts: ConvertOptions | None = None) ->
                         raise ConvertError(f"verify: {mod} differs from the contract quantization of {name}")
                     a = opts.input_amax.get(mod)
                     scale = (
-                        nvfp4.input_scale_from_amax(torch.tensor(float(a)))
+                        nvfp4.input_scale_from_amax(torch.tensor(float(a)), opts.nvfp4.activations)
                         if a is not None
                         else torch.tensor(UNCALIBRATED_INPUT_SCALE, dtype=torch.float32)
                     )

@@ -14,6 +14,7 @@ import torch
 
 from quads_megatron import nvfp4
 from quads_megatron.checkpoint.modelopt import modelopt_tensors, quantize_linear
+from quads_megatron.config import NVFP4Config
 from quads_megatron.errors import ConvertError
 
 _MCORE_SEQ = re.compile(
@@ -29,6 +30,7 @@ def megatron_expert_tensors(
     hf_prefix: str = "model.layers",
     layer_offset: int = 0,
     input_amax: dict[str, float] | None = None,
+    nvfp4_config: NVFP4Config | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Megatron routed-expert params of one EP rank -> HF-named NVFP4 ModelOpt tensors.
 
@@ -36,8 +38,11 @@ def megatron_expert_tensors(
     amax) and split by rows into gate_proj / up_proj; fc2 -> down_proj. Global expert index =
     ep_rank * num_local_experts + local index. Non-expert params are skipped (send them as BF16).
     With expert TP > 1, pass the params through gather_expert_tp first (full [2F, H] / [H, F]).
+    nvfp4_config: the variant (the QUADS config's nvfp4 section, as the trainer's fake-quant uses it):
+    weights quantized with its weight recipe, input_scale of input_amax with its activation recipe.
     """
     input_amax = input_amax or {}
+    cfg = nvfp4_config or NVFP4Config()
     for name, w in named_params:
         m = _MCORE_SEQ.match(name) or _MCORE_TE.match(name)
         if m is None:
@@ -46,9 +51,11 @@ def megatron_expert_tensors(
             raise ConvertError("num_local_experts is required to map local experts to global indices")
         g = ep_rank * num_local_experts + int(m["i"])
         base = f"{hf_prefix}.{int(m['layer']) + layer_offset}.mlp.experts.{g}"
-        q = quantize_linear(w, name)
+        q = quantize_linear(w, name, recipe=cfg.weights)
         if m["fc"] == "fc2":
-            yield from modelopt_tensors(f"{base}.down_proj", q, input_amax.get(f"{base}.down_proj")).items()
+            yield from modelopt_tensors(
+                f"{base}.down_proj", q, input_amax.get(f"{base}.down_proj"), cfg.activations
+            ).items()
             continue
         if q.codes.shape[0] % 2:
             raise ConvertError(f"{name}: fc1 has an odd row count {q.codes.shape[0]}; expected gate|up halves")
@@ -56,7 +63,8 @@ def megatron_expert_tensors(
         for proj, rows in (("gate_proj", slice(0, half)), ("up_proj", slice(half, None))):
             # own storage per tensor: receivers (and safetensors) must not see gate/up aliasing
             part = nvfp4.NVFP4Tensor(q.codes[rows].clone(), q.block_scales[rows].clone(), q.global_decode.clone())
-            yield from modelopt_tensors(f"{base}.{proj}", part, input_amax.get(f"{base}.{proj}")).items()
+            amax = input_amax.get(f"{base}.{proj}")
+            yield from modelopt_tensors(f"{base}.{proj}", part, amax, cfg.activations).items()
 
 
 def gather_expert_tp(

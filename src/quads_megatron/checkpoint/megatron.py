@@ -173,7 +173,11 @@ def convert_megatron_dist(
                 (f"{pre}layers.{layer}.mlp.experts.local_experts.{e}.linear_{fc}.weight", t[e]) for e in range(len(t))
             ]
         return fill_input_scales(
-            dict(megatron_expert_tensors(named, 0, len(named) // 2, hf_prefix, layer_offset, opts.input_amax))
+            dict(
+                megatron_expert_tensors(
+                    named, 0, len(named) // 2, hf_prefix, layer_offset, opts.input_amax, opts.nvfp4
+                )
+            )
         )
 
     def map_group(shard: str) -> dict[str, torch.Tensor]:
@@ -219,7 +223,9 @@ def convert_megatron_dist(
                 progress.step(out_shard)
         out.write_index(weight_map)
         exclude = sorted(excluded_linears(names, targets))
-        write_quant_configs(model_config, out.partial, exclude, opts.quads, calibrated=bool(opts.input_amax))
+        write_quant_configs(
+            model_config, out.partial, exclude, opts.quads_block(), bool(opts.input_amax), opts.nvfp4
+        )
         copy_side_files(base_hf, out.partial)
 
         def verify() -> None:  # re-read what was written against a fresh conversion (or base, for copied tensors)

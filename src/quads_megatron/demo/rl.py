@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 import quads_megatron
 from quads_megatron import checkpoint, nvfp4
-from quads_megatron.config import QuadsConfig, RolloutConfig, load_config
+from quads_megatron.config import NVFP4Config, QuadsConfig, RolloutConfig, load_config
 from quads_megatron.errors import QuadsConfigError
 from quads_megatron.rollout import calibration, rac_plan, reference
 
@@ -157,12 +157,21 @@ class RolloutEngine:
     rollout: the QUADS config's rollout section; the quads arm follows it (RAC on/off, ratio,
     dynamic or static selection, metric of the static plans, dynamic or static activation scale),
     the naive arm runs plain W4A4 with per-token activation scales, the bf16 arm no NVFP4 at all.
+    nvfp4_config: the config's NVFP4 variant, which the quads arm syncs weights and quantizes
+    activations with (its trainer fake-quantizes with it); the naive arm is plain NVFP4.
     """
 
-    def __init__(self, model: TinyMoEGPT, mode: str, rollout: RolloutConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: TinyMoEGPT,
+        mode: str,
+        rollout: RolloutConfig | None = None,
+        nvfp4_config: NVFP4Config | None = None,
+    ) -> None:
         if mode not in ARMS:
             raise ValueError(f"mode must be one of {ARMS}, got {mode!r}")
         self.model, self.mode, self.rollout = model, mode, rollout or RolloutConfig()
+        self.nvfp4_config = (nvfp4_config or NVFP4Config()) if mode == "quads" else NVFP4Config()
         self.weights: dict[tuple[int, int], tuple[nvfp4.NVFP4Tensor, nvfp4.NVFP4Tensor]] = {}
         self.plans: dict[tuple[int, str], rac_plan.RACPlan] = {}  # (layer, 'fc1'|'fc2') -> static RAC plan
         self.amax: dict[tuple[int, str], torch.Tensor] = {}  # (layer, 'fc1'|'fc2') -> static activation amax
@@ -183,7 +192,9 @@ class RolloutEngine:
             for name, p in blk.moe.named_parameters():
                 named.append((f"decoder.layers.{li}.mlp.{name}", p.detach()))
         n_local = self.model.blocks[0].moe.experts.num_local_experts
-        t = dict(checkpoint.megatron_expert_tensors(named, 0, n_local, hf_prefix="layers"))
+        t = dict(
+            checkpoint.megatron_expert_tensors(named, 0, n_local, hf_prefix="layers", nvfp4_config=self.nvfp4_config)
+        )
         get = lambda m: nvfp4.from_modelopt(t[f"{m}.weight"], t[f"{m}.weight_scale"], t[f"{m}.weight_scale_2"])
         for li in range(len(self.model.blocks)):
             for e in range(n_local):
@@ -201,7 +212,7 @@ class RolloutEngine:
         from one batch; only what the quads arm's config asks for."""
         if not self.needs_calibration:
             return
-        cal = calibration.RACCalibrator(self.rollout.rac.metric)
+        cal = calibration.RACCalibrator(self.rollout.rac.metric, self.nvfp4_config.activations)
         self._calibrator = cal
         try:
             with torch.no_grad():
@@ -227,7 +238,7 @@ class RolloutEngine:
                 else:
                     channels = rac.num_channels(x.shape[1])
             static_amax = self.amax.get((li, which))
-        qa = reference.quantize_activation(x.float(), plan, static_amax, channels)
+        qa = reference.quantize_activation(x.float(), plan, static_amax, channels, self.nvfp4_config.activations)
         return reference.w4a4_linear_reference(qa, w)
 
     def _moe(self, li: int):
@@ -299,7 +310,7 @@ def run_arm(arm: str, model: TinyMoEGPT, a: DemoArgs, qcfg: QuadsConfig, progres
     if arm == "quads":
         quads_megatron.apply(qcfg, model=model)
     try:
-        engine = RolloutEngine(model, arm, qcfg.rollout)
+        engine = RolloutEngine(model, arm, qcfg.rollout, qcfg.nvfp4)
         engine.sync_weights()
         engine.calibrate(torch.cat(make_prompts(256, torch.Generator().manual_seed(a.seed + 3)), 1))
         opt = torch.optim.Adam(model.parameters(), lr=a.lr)

@@ -6,7 +6,8 @@ quads_megatron.rollout.reference.quantize_activation (quantize_activation); or t
 fp16 operand with the residual already folded in (activation_operand), optionally of SiLU(gate) * up
 computed in the same pass (an MoE block's fc2). The same launch can also write a grouped GEMM's
 row-tile table (row_tiles.RowTiles) with extra programs. Tiles: tile_configs.ActQuantConfig, tuned
-defaults from configs/act_quant.json.
+defaults from configs/act_quant.json. recipe: the activations' NVFP4 variant (quads_megatron.nvfp4; 4over6
+is a constexpr branch, so the plain kernels' code is what it was), for x and for its RAC residual.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from quads_megatron.kernels.fp4_device import (
     FP32_MAX,
     e2m1_round,
     e2m1_value,
-    nvfp4_block_encode,
-    nvfp4_block_scaled,
+    nvfp4_block_encode_recipe,
+    nvfp4_block_scaled_recipe,
     round_bf16,
 )
 from quads_megatron.kernels.pdl import wait_then_release
 from quads_megatron.kernels.row_tiles import RowTiles, tile_map_chunk
 from quads_megatron.kernels.tile_configs import ActQuantConfig, act_quant_config
-from quads_megatron.nvfp4 import NVFP4Tensor
+from quads_megatron.nvfp4 import NVFP4Recipe, NVFP4Tensor
 from quads_megatron.rollout.rac_plan import QuantizedActivation, RACPlan, check_rac_selection
 
 
@@ -71,6 +72,7 @@ def _encode_store_chunk(
     rmask,
     s_enc,
     s_dec,
+    amax,
     mask_ptr,
     codes_ptr,
     scales_ptr,
@@ -83,12 +85,16 @@ def _encode_store_chunk(
     DYNAMIC: tl.constexpr,
     OPERAND: tl.constexpr,
     WGMMA_ORDER: tl.constexpr,
+    FOUR_OVER_SIX: tl.constexpr,
+    FOS_MSE: tl.constexpr,
+    E4M3_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Encode columns [k0, k0+BLOCK_K) of BLOCK_M rows (x0/x1: even/odd fp32 [BLOCK_M, BLOCK_K/2]) and store
     codes and scales, or (OPERAND) the decoded fp16 GEMM operand: [M, 2, K/2], or (WGMMA_ORDER) [M, K] in
-    gemm_wgmma_launch.operand_permutation's order (see activation_operand)."""
+    gemm_wgmma_launch.operand_permutation's order (see activation_operand). FOUR_OVER_SIX (FOS_MSE,
+    E4M3_MAX): the 4over6 recipe, whose candidate error also reads the rows' global amax [BLOCK_M]."""
     HALF: tl.constexpr = BLOCK_K // 2
     NB: tl.constexpr = BLOCK_K // 16
     pairs = k0 // 2 + tl.arange(0, HALF)
@@ -96,10 +102,14 @@ def _encode_store_chunk(
     pmask = rmask[:, None] & (pairs[None, :] < K // 2)
     bmask = rmask[:, None] & (blocks[None, :] < K // 16)
     if OPERAND:  # values only: E2M1 rounding without the codes
-        y0, y1, sb_code, sb = nvfp4_block_scaled(x0, x1, s_enc, s_dec, BLOCK_M, BLOCK_K)
+        y0, y1, sb_code, sb = nvfp4_block_scaled_recipe(
+            x0, x1, s_enc, s_dec, amax, FOUR_OVER_SIX, E4M3_MAX, FOS_MSE, BLOCK_M, BLOCK_K
+        )
         q0, q1 = e2m1_round(y0), e2m1_round(y1)
     else:
-        packed, sb_code, sb = nvfp4_block_encode(x0, x1, s_enc, s_dec, BLOCK_M, BLOCK_K)
+        packed, sb_code, sb = nvfp4_block_encode_recipe(
+            x0, x1, s_enc, s_dec, amax, FOUR_OVER_SIX, E4M3_MAX, FOS_MSE, BLOCK_M, BLOCK_K
+        )
         tl.store(codes_ptr + rows64[:, None] * (K // 2) + pairs[None, :], packed.to(tl.uint8), mask=pmask)
         tl.store(scales_ptr + rows64[:, None] * (K // 16) + blocks[None, :], sb_code.to(tl.uint8), mask=bmask)
         q0, q1 = e2m1_value(packed & 15), e2m1_value(packed >> 4)
@@ -116,7 +126,9 @@ def _encode_store_chunk(
         r0 = tl.where(sel_full != 0, x0 - v0 * s_dec[:, None], 0.0)
         r1 = tl.where(sel_full != 0, x1 - v1 * s_dec[:, None], 0.0)
         if OPERAND:
-            ry0, ry1, _, rsb = nvfp4_block_scaled(r0, r1, s_enc, s_dec, BLOCK_M, BLOCK_K)
+            ry0, ry1, _, rsb = nvfp4_block_scaled_recipe(
+                r0, r1, s_enc, s_dec, amax, FOUR_OVER_SIX, E4M3_MAX, FOS_MSE, BLOCK_M, BLOCK_K
+            )
             rsb_full = tl.reshape(tl.broadcast_to(rsb[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
             # fp16(a) + fp16(r) rounded once to fp16: what the GEMM's in-register fold computes
             rv0 = (e2m1_round(ry0) * rsb_full * 0.0078125).to(tl.float16).to(tl.float32)
@@ -124,7 +136,9 @@ def _encode_store_chunk(
             v0 = (v0 * 0.0078125).to(tl.float16).to(tl.float32) + rv0
             v1 = (v1 * 0.0078125).to(tl.float16).to(tl.float32) + rv1
         else:
-            rpacked, rsb_code, rsb = nvfp4_block_encode(r0, r1, s_enc, s_dec, BLOCK_M, BLOCK_K)
+            rpacked, rsb_code, rsb = nvfp4_block_encode_recipe(
+                r0, r1, s_enc, s_dec, amax, FOUR_OVER_SIX, E4M3_MAX, FOS_MSE, BLOCK_M, BLOCK_K
+            )
             tl.store(rcodes_ptr + rows64[:, None] * (K // 2) + pairs[None, :], rpacked.to(tl.uint8), mask=pmask)
             tl.store(rscales_ptr + rows64[:, None] * (K // 16) + blocks[None, :], rsb_code.to(tl.uint8), mask=bmask)
     elif OPERAND:
@@ -187,9 +201,10 @@ def _load_row_pairs(
 
 
 @triton.jit
-def _global_scales(amax, BLOCK_M: tl.constexpr):
-    """Per-row S_enc, S_dec from amax [BLOCK_M] exactly as quads_megatron.nvfp4.global_encode_scale."""
-    s_enc = tl.minimum(tl.div_rn(tl.full((BLOCK_M,), 2688.0, tl.float32), amax), FP32_MAX)
+def _global_scales(amax, BLOCK_M: tl.constexpr, E4M3_MAX: tl.constexpr):
+    """Per-row S_enc, S_dec from amax [BLOCK_M] exactly as quads_megatron.nvfp4.global_encode_scale
+    (S_enc = 6 * E4M3_MAX / amax: 2688 / amax for the plain recipe)."""
+    s_enc = tl.minimum(tl.div_rn(tl.full((BLOCK_M,), 6.0 * E4M3_MAX, tl.float32), amax), FP32_MAX)
     s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
     return s_enc, tl.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), s_enc)
 
@@ -223,6 +238,9 @@ def _act_quant_kernel(
     GATED: tl.constexpr,
     HAS_VALID: tl.constexpr,
     X_BF16: tl.constexpr,
+    FOUR_OVER_SIX: tl.constexpr,
+    FOS_MSE: tl.constexpr,
+    E4M3_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_TM: tl.constexpr,
@@ -252,7 +270,7 @@ def _act_quant_kernel(
             amax = tl.load(amax_ptr + rows * 0, mask=rmask, other=0.0)
         else:
             amax = tl.max(tl.maximum(tl.abs(x0), tl.abs(x1)), axis=1)
-        s_enc, s_dec = _global_scales(amax, BLOCK_M)
+        s_enc, s_dec = _global_scales(amax, BLOCK_M, E4M3_MAX)
         tl.store(sdec_ptr + rows, s_dec, mask=rmask)
         _encode_store_chunk(
             x0,
@@ -262,6 +280,7 @@ def _act_quant_kernel(
             rmask,
             s_enc,
             s_dec,
+            amax,
             mask_ptr,
             codes_ptr,
             scales_ptr,
@@ -274,6 +293,9 @@ def _act_quant_kernel(
             DYNAMIC,
             OPERAND,
             WGMMA_ORDER,
+            FOUR_OVER_SIX,
+            FOS_MSE,
+            E4M3_MAX,
             BLOCK_M,
             BLOCK_K,
         )
@@ -285,7 +307,7 @@ def _act_quant_kernel(
             for k0 in range(0, K, BLOCK_K):
                 x0, x1 = _load_row_pairs(x_ptr, rows64, lmask, stride_xm, k0, K, BLOCK_K, GATED, X_BF16)
                 amax = tl.maximum(amax, tl.max(tl.maximum(tl.abs(x0), tl.abs(x1)), axis=1))
-        s_enc, s_dec = _global_scales(amax, BLOCK_M)
+        s_enc, s_dec = _global_scales(amax, BLOCK_M, E4M3_MAX)
         tl.store(sdec_ptr + rows, s_dec, mask=rmask)
         for k0 in range(0, K, BLOCK_K):
             x0, x1 = _load_row_pairs(x_ptr, rows64, lmask, stride_xm, k0, K, BLOCK_K, GATED, X_BF16)
@@ -297,6 +319,7 @@ def _act_quant_kernel(
                 rmask,
                 s_enc,
                 s_dec,
+                amax,
                 mask_ptr,
                 codes_ptr,
                 scales_ptr,
@@ -309,6 +332,9 @@ def _act_quant_kernel(
                 DYNAMIC,
                 OPERAND,
                 WGMMA_ORDER,
+                FOUR_OVER_SIX,
+                FOS_MSE,
+                E4M3_MAX,
                 BLOCK_M,
                 BLOCK_K,
             )
@@ -358,7 +384,9 @@ def _launch_act_quant(
     row_valid: torch.Tensor | None = None,
     order: str = "pairs",
     row_tiles: tuple[torch.Tensor, int, int] | None = None,
+    recipe: NVFP4Recipe | None = None,
 ) -> QuantizedActivation | ActivationOperand:
+    recipe = nvfp4._recipe(recipe)
     if order not in ("pairs", "wgmma"):
         raise ValueError(f"operand order must be 'pairs' or 'wgmma', got {order!r}")
     if config is not None and not isinstance(config, ActQuantConfig):
@@ -443,6 +471,9 @@ def _launch_act_quant(
         GATED=gated,
         HAS_VALID=row_valid is not None,
         X_BF16=x.dtype == torch.bfloat16,
+        FOUR_OVER_SIX=recipe.use_4over6,
+        FOS_MSE=recipe.err_mode == "MSE",
+        E4M3_MAX=float(recipe.e4m3_max),
         BLOCK_M=block_m,
         BLOCK_K=block_k,
         HAS_TM=tiles is not None,
@@ -469,15 +500,18 @@ def quantize_activation(
     check: bool = True,
     block_mask: torch.Tensor | None = None,
     dynamic_channels: int = 0,
+    recipe: NVFP4Recipe | None = None,
 ) -> QuantizedActivation:
     """Triton twin of quads_megatron.rollout.reference.quantize_activation (same bits; a static RAC plan
     or dynamic per-token selection, dynamic_channels, which needs the whole row per program).
 
     config: the tiles (fields left None, or config None: the tuned ones for this call). block_mask:
     the plan's int8 [K/16] mask already on the device (no host-to-device copy, e.g. inside CUDA-graph
-    capture).
+    capture). recipe: the activations' NVFP4 variant (None: plain).
     """
-    return _launch_act_quant(x, plan, static_amax, config, check, block_mask, False, dynamic_channels)
+    return _launch_act_quant(
+        x, plan, static_amax, config, check, block_mask, False, dynamic_channels, recipe=recipe
+    )
 
 
 def activation_operand(
@@ -492,6 +526,7 @@ def activation_operand(
     row_valid: torch.Tensor | None = None,
     order: str = "pairs",
     row_tiles: tuple[torch.Tensor, int, int] | None = None,
+    recipe: NVFP4Recipe | None = None,
 ) -> ActivationOperand:
     """Quantize x like quantize_activation, but emit the GEMM's decoded fp16 operand instead of codes
     (same arguments): the GEMM then decodes only the weights, and RAC costs it nothing.
@@ -502,7 +537,20 @@ def activation_operand(
     order: "pairs" for gemm_triton.grouped_w4a4, "wgmma" for gemm_wgmma_launch.grouped_w4a4_wgmma.
     row_tiles: (offs int32 [E], block_rows, rows): the same launch also writes the RowTiles of a grouped
     GEMM over offs' rows (returned as .tiles, for the GEMMs' tiles= argument).
+    recipe: the activations' NVFP4 variant (None: plain).
     """
     return _launch_act_quant(
-        x, plan, static_amax, config, check, block_mask, True, dynamic_channels, gated, row_valid, order, row_tiles
+        x,
+        plan,
+        static_amax,
+        config,
+        check,
+        block_mask,
+        True,
+        dynamic_channels,
+        gated,
+        row_valid,
+        order,
+        row_tiles,
+        recipe,
     )

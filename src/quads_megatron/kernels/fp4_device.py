@@ -62,20 +62,29 @@ def e2m1_round(v):
 
 
 @triton.jit
+def _scale_to_e2m1(x0, x1, sb, s_dec, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x0, x1 [BLOCK_M, BLOCK_K/2] times 1 / (s_b * S_dec) (block scales sb [BLOCK_M, BLOCK_K/16], S_dec
+    [BLOCK_M]), clamped to [-6, 6]."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    NB: tl.constexpr = BLOCK_K // 16
+    enc = tl.minimum(tl.div_rn(tl.full(sb.shape, 1.0, tl.float32), sb * s_dec[:, None]), FP32_MAX)
+    enc_full = tl.reshape(tl.broadcast_to(enc[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
+    y0 = tl.minimum(tl.maximum(x0 * enc_full, -6.0), 6.0)
+    y1 = tl.minimum(tl.maximum(x1 * enc_full, -6.0), 6.0)
+    return y0, y1
+
+
+@triton.jit
 def nvfp4_block_scaled(x0, x1, s_enc, s_dec, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Block scales of even/odd elements x0, x1 [BLOCK_M, BLOCK_K/2] (fp32) with per-row S_enc/S_dec
     [BLOCK_M], and the elements in E2M1 range: (x0, x1 times 1 / (s_b * S_dec), clamped to [-6, 6],
     fp32 [BLOCK_M, BLOCK_K/2]; scale codes int32 and scale values fp32 [BLOCK_M, BLOCK_K/16])."""
-    HALF: tl.constexpr = BLOCK_K // 2
     NB: tl.constexpr = BLOCK_K // 16
     a = tl.maximum(tl.abs(x0), tl.abs(x1))
     bmax = tl.max(tl.reshape(a, (BLOCK_M, NB, 8)), axis=2)
     mult = s_enc * ONE_SIXTH_FP32
     sb, sb_code = e4m3_rne(tl.minimum(bmax * mult[:, None], 448.0))
-    enc = tl.minimum(tl.div_rn(tl.full(sb.shape, 1.0, tl.float32), sb * s_dec[:, None]), FP32_MAX)
-    enc_full = tl.reshape(tl.broadcast_to(enc[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
-    y0 = tl.minimum(tl.maximum(x0 * enc_full, -6.0), 6.0)
-    y1 = tl.minimum(tl.maximum(x1 * enc_full, -6.0), 6.0)
+    y0, y1 = _scale_to_e2m1(x0, x1, sb, s_dec, BLOCK_M, BLOCK_K)
     return y0, y1, sb_code, sb
 
 
@@ -88,6 +97,132 @@ def nvfp4_block_encode(x0, x1, s_enc, s_dec, BLOCK_M: tl.constexpr, BLOCK_K: tl.
     """
     y0, y1, sb_code, sb = nvfp4_block_scaled(x0, x1, s_enc, s_dec, BLOCK_M, BLOCK_K)
     return e2m1_code(y0) | (e2m1_code(y1) << 4), sb_code, sb
+
+
+@triton.jit
+def _pair_columns(t, BLOCK_M: tl.constexpr, NB: tl.constexpr):
+    """t [BLOCK_M, NB*8] (pair p of block b at column 8b + p) -> its 8 pair columns [BLOCK_M, NB], p = 0..7:
+    reshapes and splits only, no reduction, so the caller sums them in a fixed order."""
+    a, b = tl.split(tl.reshape(t, (BLOCK_M, NB, 4, 2)))  # p even | p odd
+    a0, a1 = tl.split(tl.reshape(a, (BLOCK_M, NB, 2, 2)))  # p 0, 4 | p 2, 6
+    b0, b1 = tl.split(tl.reshape(b, (BLOCK_M, NB, 2, 2)))  # p 1, 5 | p 3, 7
+    p0, p4 = tl.split(a0)
+    p2, p6 = tl.split(a1)
+    p1, p5 = tl.split(b0)
+    p3, p7 = tl.split(b1)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _candidate_error(
+    y0, y1, x0, x1, sb, amax, E4M3_MAX: tl.constexpr, MSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """4over6 error of one candidate, fp32 [BLOCK_M, BLOCK_K/16]: per block, sum |d| (MSE: d^2) over its 16
+    elements in element order, d = ((value(q) * s_b) * amax) / (6 * e4m3_max) - x (quads_megatron.nvfp4).
+    y0, y1: the candidate's even / odd elements scaled into [-6, 6]; x0, x1: the inputs; sb [BLOCK_M,
+    BLOCK_K/16] its block scales; amax [BLOCK_M] the (per-row) global amax."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    NB: tl.constexpr = BLOCK_K // 16
+    sb_full = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
+    denom = tl.full((BLOCK_M, HALF), 6.0 * E4M3_MAX, tl.float32)
+    d0 = tl.div_rn(e2m1_round(y0) * sb_full * amax[:, None], denom) - x0
+    d1 = tl.div_rn(e2m1_round(y1) * sb_full * amax[:, None], denom) - x1
+    if MSE:
+        d0 = d0 * d0
+        d1 = d1 * d1
+    else:
+        d0 = tl.abs(d0)
+        d1 = tl.abs(d1)
+    e00, e01, e02, e03, e04, e05, e06, e07 = _pair_columns(d0, BLOCK_M, NB)  # elements 0, 2, ..., 14
+    e10, e11, e12, e13, e14, e15, e16, e17 = _pair_columns(d1, BLOCK_M, NB)  # elements 1, 3, ..., 15
+    err = e00 + e10
+    err = err + e01
+    err = err + e11
+    err = err + e02
+    err = err + e12
+    err = err + e03
+    err = err + e13
+    err = err + e04
+    err = err + e14
+    err = err + e05
+    err = err + e15
+    err = err + e06
+    err = err + e16
+    err = err + e07
+    return err + e17
+
+
+@triton.jit
+def nvfp4_block_scaled_4over6(
+    x0,
+    x1,
+    s_enc,
+    s_dec,
+    amax,
+    E4M3_MAX: tl.constexpr,
+    MSE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """nvfp4_block_scaled under 4over6 (quads_megatron.nvfp4): per block, the map-to-4 scale e4m3(1.5 * base)
+    or the map-to-6 scale e4m3(base), base = (b_amax / 6) * S_enc, whichever has the strictly lower error
+    (_candidate_error; ties: map-to-6). amax [BLOCK_M]: the global amax S_enc was made from. Same returns."""
+    NB: tl.constexpr = BLOCK_K // 16
+    a = tl.maximum(tl.abs(x0), tl.abs(x1))
+    bmax = tl.max(tl.reshape(a, (BLOCK_M, NB, 8)), axis=2)
+    base = tl.div_rn(bmax, tl.full(bmax.shape, 6.0, tl.float32)) * s_enc[:, None]
+    s4, c4 = e4m3_rne(tl.minimum(base * 1.5, 448.0))
+    s6, c6 = e4m3_rne(tl.minimum(base, 448.0))
+    y0_4, y1_4 = _scale_to_e2m1(x0, x1, s4, s_dec, BLOCK_M, BLOCK_K)
+    y0_6, y1_6 = _scale_to_e2m1(x0, x1, s6, s_dec, BLOCK_M, BLOCK_K)
+    err4 = _candidate_error(y0_4, y1_4, x0, x1, s4, amax, E4M3_MAX, MSE, BLOCK_M, BLOCK_K)
+    err6 = _candidate_error(y0_6, y1_6, x0, x1, s6, amax, E4M3_MAX, MSE, BLOCK_M, BLOCK_K)
+    pick4 = err4 < err6
+    pick_full = tl.reshape(tl.broadcast_to(pick4[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, BLOCK_K // 2))
+    y0 = tl.where(pick_full, y0_4, y0_6)
+    y1 = tl.where(pick_full, y1_4, y1_6)
+    return y0, y1, tl.where(pick4, c4, c6), tl.where(pick4, s4, s6)
+
+
+@triton.jit
+def nvfp4_block_scaled_recipe(
+    x0,
+    x1,
+    s_enc,
+    s_dec,
+    amax,
+    FOUR_OVER_SIX: tl.constexpr,
+    E4M3_MAX: tl.constexpr,
+    MSE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """nvfp4_block_scaled, or with FOUR_OVER_SIX its 4over6 form (amax, E4M3_MAX, MSE: see there)."""
+    if FOUR_OVER_SIX:
+        return nvfp4_block_scaled_4over6(x0, x1, s_enc, s_dec, amax, E4M3_MAX, MSE, BLOCK_M, BLOCK_K)
+    else:
+        return nvfp4_block_scaled(x0, x1, s_enc, s_dec, BLOCK_M, BLOCK_K)
+
+
+@triton.jit
+def nvfp4_block_encode_recipe(
+    x0,
+    x1,
+    s_enc,
+    s_dec,
+    amax,
+    FOUR_OVER_SIX: tl.constexpr,
+    E4M3_MAX: tl.constexpr,
+    MSE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """nvfp4_block_encode, or with FOUR_OVER_SIX its 4over6 form (amax, E4M3_MAX, MSE: see there)."""
+    if FOUR_OVER_SIX:
+        y0, y1, sb_code, sb = nvfp4_block_scaled_4over6(x0, x1, s_enc, s_dec, amax, E4M3_MAX, MSE, BLOCK_M, BLOCK_K)
+        return e2m1_code(y0) | (e2m1_code(y1) << 4), sb_code, sb
+    else:
+        return nvfp4_block_encode(x0, x1, s_enc, s_dec, BLOCK_M, BLOCK_K)
 
 
 @triton.jit

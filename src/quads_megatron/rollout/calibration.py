@@ -22,13 +22,15 @@ class RACCalibrator:
     removes); metric 'amax': max |x| per block (ARCQuant-style outlier statistic). Either way it also
     keeps each layer's max |x| (``amax``: a static ``input_scale``'s calibration) and its row count.
     Layers are named by the caller; ``<moe prefix>.w13`` / ``.w2`` is what the converter and the SGLang
-    method read (see save_calibration).
+    method read (see save_calibration). recipe: the activations' NVFP4 variant (the QUADS config's nvfp4
+    section), under which the residual is what the rollout leaves (None: plain NVFP4).
     """
 
-    def __init__(self, metric: str = "residual") -> None:
+    def __init__(self, metric: str = "residual", recipe: nvfp4.NVFP4Recipe | None = None) -> None:
         if metric not in ("residual", "amax"):
             raise ValueError(f"metric must be 'residual' or 'amax', got {metric!r}")
         self.metric = metric
+        self.recipe = nvfp4._recipe(recipe)
         self.stats: dict[str, torch.Tensor] = {}
         self.amax: dict[str, float] = {}
         self.tokens: dict[str, int] = {}
@@ -41,7 +43,7 @@ class RACCalibrator:
             return
         nvfp4.check_quantizable(x2, f"calibration input of {layer}")
         if self.metric == "residual":
-            s = residual_block_scores(x2).sum(0).cpu()
+            s = residual_block_scores(x2, recipe=self.recipe).sum(0).cpu()
         else:
             s = x2.abs().float().reshape(x2.shape[0], -1, BLOCK_SIZE).amax(dim=(0, 2)).cpu()
         self._add({layer: s}, {layer: float(x2.abs().max())}, {layer: x2.shape[0]})
@@ -65,16 +67,18 @@ class RACCalibrator:
         the same on each rank: residual scores and row counts summed, maxima kept. Ranks may hold
         different layers (pipeline stages) or different rows of a layer (data / expert parallel).
         Without torch.distributed initialized: a copy of this one."""
-        out = RACCalibrator(self.metric)
-        mine = (self.metric, self.stats, self.amax, self.tokens)
+        out = RACCalibrator(self.metric, self.recipe)
+        mine = (self.metric, self.recipe.to_dict(), self.stats, self.amax, self.tokens)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             every: list = [None] * torch.distributed.get_world_size(group)
             torch.distributed.all_gather_object(every, mine, group=group)
         else:
             every = [mine]
-        for metric, stats, amax, tokens in every:
+        for metric, recipe, stats, amax, tokens in every:
             if metric != self.metric:
                 raise ValueError(f"cannot merge calibrations of metric {metric!r} into {self.metric!r}")
+            if recipe != self.recipe.to_dict():
+                raise ValueError(f"cannot merge calibrations under recipe {recipe} into {self.recipe.to_dict()}")
             out._add(stats, amax, tokens)
         return out
 
@@ -143,6 +147,7 @@ def save_calibration(out_dir: str, cal: RACCalibrator, num_channels_for, num_exp
     with open(tmp["input_amax"], "w") as f:
         json.dump(amax, f, indent=1, sort_keys=True)
     meta = {"metric": cal.metric, "amax": json.dumps(cal.amax), "tokens": json.dumps(cal.tokens)}
+    meta["recipe"] = json.dumps(cal.recipe.to_dict())
     save_file({k: v.contiguous() for k, v in cal.stats.items()}, tmp["stats"], metadata=meta)
     for k in paths:
         os.replace(tmp[k], paths[k])

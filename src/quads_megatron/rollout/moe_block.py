@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quads_megatron.nvfp4 import BLOCK_SIZE, NVFP4Tensor
+from quads_megatron.nvfp4 import BLOCK_SIZE, NVFP4Recipe, NVFP4Tensor
 from quads_megatron.rollout import rac_plan, reference
 
 ACTIVATIONS = ("silu",)
@@ -157,6 +157,7 @@ def moe_w4a4(
     activation: str = "silu",
     impl: str = "auto",
     check: bool = True,
+    recipe: NVFP4Recipe | None = None,
 ) -> torch.Tensor:
     """MoE experts of x [T, H] (bf16/fp16) with topk_ids/topk_weights [T, k] -> [T, H] in x.dtype.
 
@@ -164,7 +165,8 @@ def moe_w4a4(
     (the expert GEMMs on the Gluon Hopper kernel instead: sm_90, K % 128 == 0, K >= 256, N % 64 == 0), or
     'auto' (wgmma where it runs and is the faster GEMM at this many rows, else triton on CUDA, reference
     elsewhere). check: refuse NaN/Inf in x (a host sync; pass False inside CUDA-graph capture). Nothing
-    else syncs with the host on the Triton path.
+    else syncs with the host on the Triton path. recipe: the activations' NVFP4 variant (None: plain NVFP4;
+    the weights carry theirs in their codes and scales).
     """
     if x.dim() != 2 or x.shape[1] != weights.hidden:
         raise ValueError(f"hidden states must be [T, {weights.hidden}], got {tuple(x.shape)}")
@@ -187,21 +189,22 @@ def moe_w4a4(
     order, offs, valid = route(topk_ids, weights.num_experts)
     tokens = order // topk_ids.shape[1]
     if impl == "reference":
-        y2 = _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation)
+        y2 = _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation, recipe)
         return combine(y2, order, valid, topk_weights).to(x.dtype)
     from quads_megatron.kernels import combine as combine_kernel
 
-    y2 = _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, impl == "wgmma")
+    wgmma = impl == "wgmma"
+    y2 = _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, wgmma, recipe)
     return combine_kernel.combine(y2, order, topk_ids, topk_weights, weights.num_experts, x.dtype)
 
 
-def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation):
+def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation, recipe):
     e = weights.num_experts
 
     def gemm(a, which, g, amax):
         ws = [weights.expert(i, which) for i in range(e)]
         plans = None if g.plan is None else [g.plan] * e
-        return reference.grouped_w4a4_reference(a, offs, ws, plans, amax, g.dynamic_channels).to(x.dtype)
+        return reference.grouped_w4a4_reference(a, offs, ws, plans, amax, g.dynamic_channels, recipe).to(x.dtype)
 
     y1 = gemm(x[tokens], "w13", rac.fc1, static_amax[0])
     h = torch.where(valid[:, None], gated_activation(y1, activation), 0.0)
@@ -249,7 +252,7 @@ def _expert_gemm(op, offs, codes, scales, sdec, out_dtype, config, a_rows=None, 
     )
 
 
-def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, wgmma):
+def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, wgmma, recipe):
     """fc1 reads the per-token operand through the grouped rows' token index (no gathered copy);
     SiLU(gate) * up and the foreign-row mask are fused into fc2's activation quantization. fc1's
     quantization launch also writes the GEMMs' row-tile table, shared by fc2 where its tiles are as
@@ -264,7 +267,7 @@ def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activatio
 
     def operand(a, g, amax, **kw):
         return act_quant.activation_operand(
-            a, g.plan, amax, block_mask=g.mask, dynamic_channels=g.dynamic_channels, order=order, **kw
+            a, g.plan, amax, block_mask=g.mask, dynamic_channels=g.dynamic_channels, order=order, recipe=recipe, **kw
         )
 
     op = operand(x, g1, static_amax[0], check=check, row_tiles=(offs, bt1, rows))  # once per token

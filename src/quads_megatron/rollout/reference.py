@@ -11,6 +11,10 @@ and because the residual shares x's global scale, the augmented GEMM keeps one a
 
 The residual is stored dense over K ([M, K/2] codes, [M, K/16] scales; zero outside S), which
 serves static per-layer selection and dynamic per-token selection alike.
+
+recipe (every function here): the activations' NVFP4 variant (nvfp4.NVFP4Recipe, the QUADS config's
+nvfp4 section), for x and for its residual alike; None is plain NVFP4. The dynamic per-token global scale
+is TE's row-scaled NVFP4 (row_scaled_nvfp4 / row_scaled_activation), bit for bit.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ def activation_amax(x: torch.Tensor, static_amax: torch.Tensor | None = None) ->
     return static_amax.detach().float().reshape(1, 1).to(x.device).expand(x.shape[0], 1)
 
 
-def residual_block_scores(x: torch.Tensor, static_amax: torch.Tensor | None = None) -> torch.Tensor:
+def residual_block_scores(
+    x: torch.Tensor, static_amax: torch.Tensor | None = None, recipe: nvfp4.NVFP4Recipe | None = None
+) -> torch.Tensor:
     """Per-token, per-block squared residual norm: fp32 [M, K/16] (the RAC error statistic)."""
-    xq = nvfp4.quantize(x, "row", activation_amax(x, static_amax))
+    xq = nvfp4.quantize(x, "row", activation_amax(x, static_amax), recipe=recipe)
     r = x.float() - nvfp4.dequantize(xq)
     return r.reshape(x.shape[0], -1, BLOCK_SIZE).square().sum(-1)
 
@@ -57,6 +63,7 @@ def quantize_activation(
     plan: RACPlan | None = None,
     static_amax: torch.Tensor | None = None,
     dynamic_channels: int = 0,
+    recipe: nvfp4.NVFP4Recipe | None = None,
 ) -> QuantizedActivation:
     """Quantize x [M, K] for W4A4 (+RAC).
 
@@ -69,7 +76,7 @@ def quantize_activation(
         raise ValueError(f"activation must be [M, K], got {tuple(x.shape)}")
     check_rac_selection(x.shape[1], plan, dynamic_channels)
     a = activation_amax(x, static_amax)
-    xq = nvfp4.quantize(x, "row", a, check=False)
+    xq = nvfp4.quantize(x, "row", a, check=False, recipe=recipe)
     if plan is None and not dynamic_channels:
         return QuantizedActivation(xq, None)
     r = (x.float() - nvfp4.dequantize(xq)).reshape(x.shape[0], -1, BLOCK_SIZE)
@@ -78,7 +85,7 @@ def quantize_activation(
     else:
         mask = dynamic_block_mask(r, dynamic_channels)
     r = torch.where(mask.unsqueeze(-1), r, torch.zeros_like(r)).reshape(x.shape)
-    return QuantizedActivation(xq, nvfp4.quantize(r, "row", a, check=False))
+    return QuantizedActivation(xq, nvfp4.quantize(r, "row", a, check=False, recipe=recipe))
 
 
 def _exact_values(t: NVFP4Tensor) -> torch.Tensor:
@@ -110,6 +117,7 @@ def grouped_w4a4_reference(
     plans: list[RACPlan | None] | None = None,
     static_amax: torch.Tensor | None = None,
     dynamic_channels: int = 0,
+    recipe: nvfp4.NVFP4Recipe | None = None,
 ) -> torch.Tensor:
     """MoE grouped W4A4: rows offs[e-1]:offs[e] of x [M, K] go to expert e (offs as in torch._grouped_mm)."""
     out = x.new_zeros((x.shape[0], weights[0].shape[0]), dtype=torch.float32)
@@ -117,7 +125,7 @@ def grouped_w4a4_reference(
     for e, end in enumerate(offs.tolist()):
         if end > start:
             plan = plans[e] if plans is not None else None
-            qa = quantize_activation(x[start:end], plan, static_amax, dynamic_channels)
+            qa = quantize_activation(x[start:end], plan, static_amax, dynamic_channels, recipe)
             out[start:end] = w4a4_linear_reference(qa, weights[e])
         start = end
     return out

@@ -15,7 +15,8 @@ rollout's fc2 quantizes (SGLang applies the router weights at the combine; Megat
 fc2's input, so the hook recomputes the activation from fc1's output instead of reading fc2's input).
 Expert tensor parallel: fc2's channels are gathered over the expert-TP group and one rank of it
 records. No Megatron class is patched; leaving the ``with`` removes every hook. Statistics math:
-quads_megatron.rollout.calibration.RACCalibrator, with the config's rollout.rac.metric.
+quads_megatron.rollout.calibration.RACCalibrator, with the config's rollout.rac.metric and its nvfp4
+section's activation recipe (the residual the rollout's activation quantization leaves).
 """
 
 from __future__ import annotations
@@ -111,18 +112,23 @@ def _fc1_modules(moe_layer: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _calibrator(calibrator: RACCalibrator | None, config: Any) -> RACCalibrator:
-    """The calibrator to feed: the one given, else a new one with the config's rollout.rac.metric
-    (config: QuadsConfig, dict, YAML path, or None = $QUADS_CONFIG, else defaults)."""
+    """The calibrator to feed: the one given, else a new one with the config's rollout.rac.metric and
+    activation recipe (config: QuadsConfig, dict, YAML path, or None = $QUADS_CONFIG, else defaults)."""
     if config is None and calibrator is not None:
         return calibrator
     if config is None and os.environ.get("QUADS_CONFIG"):
         config = os.environ["QUADS_CONFIG"]
-    metric = load_config(config).rollout.rac.metric
+    cfg = load_config(config)
+    metric, recipe = cfg.rollout.rac.metric, cfg.nvfp4.activations
     if calibrator is None:
-        return RACCalibrator(metric)
+        return RACCalibrator(metric, recipe)
     if calibrator.metric != metric:
         raise ValueError(
             f"calibrator metric {calibrator.metric!r} differs from the config's rollout.rac.metric {metric!r}"
+        )
+    if calibrator.recipe != recipe:
+        raise ValueError(
+            f"calibrator recipe {calibrator.recipe} differs from the config's nvfp4 activation recipe {recipe}"
         )
     return calibrator
 
@@ -136,7 +142,8 @@ def record_expert_inputs(
 ) -> Iterator[RACCalibrator]:
     """Hooks on every MoELayer of model (a module or a list of virtual-pipeline chunks) for the
     duration of the ``with``; yields the calibrator they feed: `calibrator`, else a new one whose
-    metric is the config's rollout.rac.metric (config None: $QUADS_CONFIG, else the default 'residual').
+    metric is the config's rollout.rac.metric (config None: $QUADS_CONFIG, else the default 'residual')
+    and whose recipe is its nvfp4 activation recipe.
     Raises QuadsPatchError for a model without MoE layers or with experts the rollout cannot serve."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 

@@ -24,6 +24,7 @@ GroupedTensor); Megatron-FSDP (init_model_with_meta_device, or FSDP / DTensor ex
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -101,7 +102,7 @@ def _spec_for(module: torch.nn.Module) -> FakeQuantSpec | None:
     t = cfg.trainer
     if target.kind not in t.experts or target.linear not in t.linears or not t.wants_layer(target.layer_number):
         return None
-    return FakeQuantSpec(t.scale_mode, target.experts_dim0, target.amax_group)
+    return FakeQuantSpec(t.scale_mode, target.experts_dim0, target.amax_group, cfg.nvfp4.weights)
 
 
 def _fq(module: torch.nn.Module, w: torch.Tensor, spec: FakeQuantSpec) -> torch.Tensor:
@@ -149,7 +150,7 @@ def _wrap_get_weight_tensors(orig):
         if getattr(self, "single_grouped_weight", False):
             raise QuadsPatchError(_SINGLE_GROUPED)
         if len(weights) == 1 and weights[0].dim() == 3:  # one grouped [E, N, K] weight
-            spec = FakeQuantSpec(spec.scale_mode, True, spec.amax_group)
+            spec = dataclasses.replace(spec, experts_dim0=True)
         return [_fq(self, w, spec) for w in weights]
 
     _get_weight_tensors.__wrapped__ = orig  # type: ignore[attr-defined]

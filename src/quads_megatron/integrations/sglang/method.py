@@ -10,7 +10,9 @@ contract); this module maps SGLang's interfaces onto it.
   What differs between the supported SGLang versions is handled in compat.py.
 * QuadsNvfp4Config: reads ModelOpt NVFP4 configs (hf_quant_config.json or config.json
   quantization_config; exclude patterns) plus the optional ``quads`` block that quads convert
-  writes (rollout settings, per-layer RAC plans). QUADS_CONFIG=<yaml> overrides the rollout part.
+  writes (rollout settings, per-layer RAC plans, the NVFP4 variant ``nvfp4``). QUADS_CONFIG=<yaml>
+  overrides the rollout part; its nvfp4 section must match the checkpoint's (the weights were quantized
+  with it), and the activations are quantized with that variant's activation recipe.
 * QuadsNvfp4MoEMethod: ModelOpt tensor names and shapes (w13_weight u8 [E, 2I, H/2], ...), so
   SGLang's own FusedMoE.weight_loader loads them; forward = moe_w4a4 (Triton on the GPU). The
   kernels read the parameters in place (scales as views, S_dec as a strided view of
@@ -31,7 +33,7 @@ import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase, QuantizationConfig
 
 from quads_megatron import nvfp4
-from quads_megatron.config import RACConfig, RolloutConfig, load_config
+from quads_megatron.config import NVFP4Config, RACConfig, RolloutConfig, load_config
 from quads_megatron.errors import QuadsConfigError, QuadsSglangError, RACPlanError
 from quads_megatron.integrations.sglang import compat
 from quads_megatron.nvfp4 import BLOCK_SIZE
@@ -164,6 +166,29 @@ def _rollout_config(extras: dict[str, Any]) -> tuple[RolloutConfig, str]:
     return RolloutConfig(rac=RACConfig(selection="dynamic")), "default"
 
 
+def _nvfp4_config(extras: dict[str, Any]) -> NVFP4Config:
+    """The checkpoint's NVFP4 variant (quads.nvfp4; absent: plain NVFP4, as every ModelOpt checkpoint),
+    validated like the YAML's nvfp4 section; a QUADS_CONFIG yaml must name the same one."""
+    record = extras.get("nvfp4")
+    try:
+        cfg = NVFP4Config() if record is None else load_config({"nvfp4": record}).nvfp4
+    except QuadsConfigError as e:
+        raise QuadsSglangError(f"quads_nvfp4: the checkpoint's NVFP4 variant (quads.nvfp4) is not served: {e}") from e
+    path = os.environ.get(CONFIG_ENV)
+    if path:
+        try:
+            mine = load_config(path).nvfp4
+        except QuadsConfigError as e:
+            raise QuadsSglangError(f"quads_nvfp4 config ({CONFIG_ENV}={path}): {e}") from e
+        if mine.weights != cfg.weights or mine.activations != cfg.activations:
+            raise QuadsSglangError(
+                f"quads_nvfp4: {CONFIG_ENV}={path} has nvfp4 {mine.to_dict()}, the checkpoint was quantized with "
+                f"{cfg.to_dict()}: trainer and rollout would make different numbers; convert with the same "
+                "QUADS config (quads convert --quads-config) or fix the yaml"
+            )
+    return cfg
+
+
 def _needs_plans(rollout: RolloutConfig) -> bool:
     rac = rollout.rac
     return rac.selection == "static" and rac.enabled and rac.ratio > 0
@@ -198,12 +223,14 @@ class QuadsNvfp4Config(QuantizationConfig):
         rollout: RolloutConfig,
         rac_plans: dict[str, dict[str, list[int]]] | None = None,
         rollout_source: str = "default",
+        nvfp4_config: NVFP4Config | None = None,
     ) -> None:
         super().__init__()
         self.exclude_modules = exclude_modules
         self.rollout = rollout
         self.rac_plans = rac_plans or {}
         self.rollout_source = rollout_source
+        self.nvfp4_config = nvfp4_config or NVFP4Config()
 
     @classmethod
     def get_name(cls) -> str:
@@ -232,6 +259,7 @@ class QuadsNvfp4Config(QuantizationConfig):
         if group != BLOCK_SIZE:
             raise QuadsSglangError(f"quads_nvfp4: NVFP4 group_size must be {BLOCK_SIZE}, got {group!r}")
         check_device()
+        nvfp4_config = _nvfp4_config(extras)
         plans = _check_plans(extras.get("rac_plans", {}))
         rollout, source = _rollout_config(extras)
         if _needs_plans(rollout) and not plans:
@@ -251,7 +279,14 @@ class QuadsNvfp4Config(QuantizationConfig):
                 "the checkpoint's input_scale values are the uncalibrated default (converted without --input-amax); "
                 "calibrate and convert with --input-amax, or set rollout.activation_scale: dynamic"
             )
-        return cls(exclude, rollout, plans, source)
+        if not nvfp4_config.is_default:
+            logger.info(
+                "quads_nvfp4: NVFP4 variant %s (weights %s, activations %s)",
+                nvfp4_config.to_dict(),
+                nvfp4_config.weights,
+                nvfp4_config.activations,
+            )
+        return cls(exclude, rollout, plans, source, nvfp4_config)
 
     @classmethod
     def override_quantization_method(cls, hf_quant_config: dict | None, user_quant: str | None) -> str | None:
@@ -405,10 +440,12 @@ class QuadsNvfp4MoEMethod(FusedMoEMethodBase):
     def static_amax(self, layer: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.quant_config.rollout.activation_scale != "static":
             return None, None
-        # one static scale per GEMM: the largest calibrated input_scale over experts
+        # one static scale per GEMM: the largest calibrated input_scale over experts (S_dec of the
+        # activations' recipe: amax / (6 * e4m3_max))
+        recipe = self.quant_config.nvfp4_config.activations
         return (
-            nvfp4.amax_from_input_scale(layer.w13_input_scale.amax()),
-            nvfp4.amax_from_input_scale(layer.w2_input_scale.amax()),
+            nvfp4.amax_from_input_scale(layer.w13_input_scale.amax(), recipe),
+            nvfp4.amax_from_input_scale(layer.w2_input_scale.amax(), recipe),
         )
 
     def apply(self, layer: torch.nn.Module, dispatch_output):
@@ -431,6 +468,7 @@ class QuadsNvfp4MoEMethod(FusedMoEMethodBase):
             self.rac,
             self.static_amax(layer),
             check=not (x.is_cuda and torch.cuda.is_current_stream_capturing()),  # no host sync in capture
+            recipe=self.quant_config.nvfp4_config.activations,
         )
         factor = getattr(self.moe_runner_config, "routed_scaling_factor", None)
         if factor is not None and not getattr(layer, "should_fuse_routed_scaling_factor_in_topk", False):

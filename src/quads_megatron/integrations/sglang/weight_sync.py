@@ -2,7 +2,8 @@
 
 ``engine.update_weights_from_tensor(named_tensors, load_format="quads_megatron.integrations.sglang.load_weights")``
 takes the trainer's packed NVFP4 expert tensors as they are, BF16 expert weights (quantized here with the
-contract, gate and up sharing their amax) and BF16 non-expert weights. Before anything is written every
+contract under the layer's NVFP4 variant, the checkpoint's weight recipe, gate and up sharing their amax)
+and BF16 non-expert weights. Before anything is written every
 tensor is resolved to the parameter it lands in (update_targets) and checked against it: known name,
 expert in range, shape (the full tensor; the loader takes this rank's TP shard), dtype, finite values,
 scale signs, gate/up pairing. One bad tensor refuses the whole update (QuadsSglangError naming the first
@@ -153,24 +154,29 @@ def check_update(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) 
 def _quantized_from_bf16(
     named: list[tuple[str, torch.Tensor]], targets: list[Target]
 ) -> list[tuple[str, torch.Tensor]]:
-    """BF16/FP32 expert weights of quads_nvfp4 layers -> ModelOpt NVFP4 tensors (the contract; gate and
-    up of an expert quantized with their shared amax). Everything else passes as it is."""
+    """BF16/FP32 expert weights of quads_nvfp4 layers -> ModelOpt NVFP4 tensors (the contract under the
+    layer's weight recipe; gate and up of an expert quantized with their shared amax). Everything else
+    passes as it is."""
     out, gate_up = [], {}
     for (name, t), target in zip(named, targets, strict=True):
         if not _is_bf16_expert_weight(target, t):
             out.append((name, t))
         elif not target.gate_up:
-            out += [(f"{name[: -len('.weight')]}.{k}", v) for k, v in nvfp4.quantize(t).to_modelopt().items()]
+            q = nvfp4.quantize(t, recipe=_weight_recipe(target))
+            out += [(f"{name[: -len('.weight')]}.{k}", v) for k, v in q.to_modelopt().items()]
         else:
-            gate_up.setdefault((target.path, target.expert), {})[target.shard] = (name, t)
+            gate_up.setdefault((target.path, target.expert), {})[target.shard] = (name, t, target)
     for pair in gate_up.values():  # complete: check_update refused unpaired ones
         amax = nvfp4.shared_amax(pair["w1"][1], pair["w3"][1])
-        for name, w in pair.values():
-            out += [
-                (f"{name[: -len('.weight')]}.{k}", v)
-                for k, v in nvfp4.quantize(w, global_amax=amax).to_modelopt().items()
-            ]
+        for name, w, target in pair.values():
+            q = nvfp4.quantize(w, global_amax=amax, recipe=_weight_recipe(target))
+            out += [(f"{name[: -len('.weight')]}.{k}", v) for k, v in q.to_modelopt().items()]
     return out
+
+
+def _weight_recipe(target: Target) -> nvfp4.NVFP4Recipe:
+    """The weight recipe of the quads_nvfp4 layer target lands in (its checkpoint's NVFP4 variant)."""
+    return target.module.quant_method.quant_config.nvfp4_config.weights
 
 
 def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
