@@ -49,15 +49,11 @@ def _estimates(rd: RunDir, spec: StudySpec) -> tuple[float, float, float, float]
     )
 
 
-_DEVICE: list[str] = []
-
-
 def _device(spec: StudySpec) -> str:
-    if not _DEVICE:
-        from quads_megatron.rl.trainer import setup_megatron
+    """Megatron's one-process world (re-initialized per stage: cheap, and robust to whatever ran before)."""
+    from quads_megatron.rl.trainer import setup_megatron
 
-        _DEVICE.append(setup_megatron(spec.seed))
-    return _DEVICE[0]
+    return setup_megatron(spec.seed)
 
 
 # ----------------------------------------------------------------------------- stages (run in the worker)
