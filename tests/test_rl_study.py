@@ -217,3 +217,35 @@ def test_sync_stream_names(tiny):
     assert any(n == "lm_head.weight" for n in names) and any(n.endswith("mlp.gate.weight") for n in names)
     bf16 = [n for n, _ in itertools.islice(sync_stream(trainer.model, spec.model, packed=False), 1000)]
     assert sum(".mlp.experts." in n for n in bf16) == spec.model.layers * spec.model.experts * 3
+
+
+def test_stages_in_worker_processes(tmp_path, capsys):
+    """The GPU path's process handling on the CPU: each stage in a worker process, its lines echoed; a stage
+    that fails leaves an error.json with its traceback and the study going on."""
+    from quads_megatron.rl.runs import Budget
+    from quads_megatron.rl.study import run_study
+
+    spec = StudySpec(
+        arms=("bf16", "naive"), model=MODEL_PRESETS["tiny"], engine="emulate", digits=2, steps=2, prompts=2,
+        group=2, sft_steps=3, sft_batch=8, ckpt_every=1,
+    ).validate()  # fmt: skip
+    rd = RunDir(str(tmp_path / "run"))
+    rd.init(spec)
+    lines: list[str] = []
+    assert run_study(rd, spec, Budget(None), lines.append, workers=True) == "done"
+    echoed = capsys.readouterr().out
+    assert "  | " in echoed and "naive: done (2 steps)" in echoed
+    assert os.path.exists(rd.path("logs", "naive.log")) and len(RunDir(rd.root).done("naive")["rows"]) == 2
+    # a broken SFT checkpoint: the arms fail one by one, each with its traceback, and the study says so
+    rd2 = RunDir(str(tmp_path / "run2"))
+    rd2.init(spec)
+    assert run_study(rd2, spec, Budget(None, piece_steps=3), lines.append) == "unfinished"  # the SFT only
+    assert rd2.done("sft") is not None and rd2.done("bf16") is None
+    with open(rd2.path("sft", "weights.pt"), "wb") as f:
+        f.write(b"not a checkpoint")
+    assert run_study(rd2, spec, Budget(None), lines.append, workers=True) == "failed"
+    for arm in spec.arms:
+        err = json.load(open(os.path.join(rd2.stage_dir(arm), "error.json")))
+        assert "Traceback" in err["traceback"] and err["error"], err
+    assert any(line.startswith("naive: FAILED: ") for line in lines), lines
+    assert "  ! " in capsys.readouterr().out  # the traceback's tail is in the piece's own output

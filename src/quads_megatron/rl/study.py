@@ -22,13 +22,17 @@ from collections.abc import Callable
 import torch
 
 from quads_megatron.rl import grpo
-from quads_megatron.rl.runs import Budget, RunDir, save_torch, write_json
+from quads_megatron.rl.runs import Budget, RunDir, read_json, save_torch, write_json
 from quads_megatron.rl.spec import ArmSpec, StudySpec
 from quads_megatron.rl.task import Task
 
 Log = Callable[[str], None]
-#: estimates before anything was measured: (engine start, step, stop) seconds per engine kind
-DEFAULTS = {"sglang": (90.0, 10.0, 20.0), "emulate": (2.0, 2.0, 0.5)}
+#: estimates before anything was measured, per engine kind: engine start, first step of a process (warm-up:
+#: kernels compile), later steps, stop (engine shutdown, process exit); seconds
+DEFAULTS = {
+    "sglang": {"engine_start_s": 90.0, "first_step_s": 45.0, "step_s": 10.0, "stop_s": 20.0, "save_s": 10.0},
+    "emulate": {"engine_start_s": 2.0, "first_step_s": 2.0, "step_s": 2.0, "stop_s": 0.5, "save_s": 0.5},
+}
 SFT_WINDOW = 5  # the SFT target is met when the mean token accuracy of this many last steps reaches it
 LOG_EVERY = 10
 
@@ -37,16 +41,33 @@ def stages(spec: StudySpec) -> list[str]:
     return ["sft", *spec.arms]
 
 
-def _estimates(rd: RunDir, spec: StudySpec) -> tuple[float, float, float, float]:
-    """(engine start, RL step, SFT step, save + stop) seconds: the largest seen, else the defaults."""
-    start, step, stop = DEFAULTS[spec.engine]
-    t = rd.timing()
-    return (
-        t.get("engine_start_s", start),
-        t.get("step_s", step),
-        t.get("sft_step_s", step / 4),
-        t.get("save_s", stop / 2) + stop,
-    )
+def estimate(rd: RunDir, spec: StudySpec, key: str) -> float:
+    """The largest time seen for key in this run directory, else the engine kind's default."""
+    return rd.timing().get(key, DEFAULTS[spec.engine][key.replace("sft_", "")])
+
+
+class StepClock:
+    """What the next step may take: the first step of a process (warm-up) apart from the others, which are
+    estimated by the slowest of the last 20 seen here (or the run directory's record before any)."""
+
+    def __init__(self, rd: RunDir, spec: StudySpec, prefix: str = "") -> None:
+        self.rd, self.prefix = rd, prefix
+        self.first = estimate(rd, spec, f"{prefix}first_step_s")
+        self.later = estimate(rd, spec, f"{prefix}step_s")
+        self.stop = estimate(rd, spec, "save_s") + estimate(rd, spec, "stop_s")
+        self.seen: list[float] = []
+        self.n = 0
+
+    def need(self) -> float:
+        """Seconds to keep before starting the next step: 1.5 x its estimate, then a save and a stop."""
+        step = self.first if self.n == 0 else (max(self.seen[-20:]) if self.seen else self.later)
+        return 1.5 * step + self.stop
+
+    def record(self, seconds: float) -> None:
+        self.rd.record_time(f"{self.prefix}{'first_' if self.n == 0 else ''}step_s", seconds)
+        if self.n:
+            self.seen.append(seconds)
+        self.n += 1
 
 
 def _device(spec: StudySpec) -> str:
@@ -73,14 +94,14 @@ def run_sft(rd: RunDir, spec: StudySpec, budget: Budget, log: Log) -> bool:
         trainer.load_state_dict(state["trainer"])
         rows = state["rows"]
         gen.set_state(state["task_rng"])
-    _, _, est_step, est_stop = _estimates(rd, spec)
+    clock = StepClock(rd, spec, "sft_")
 
     def reached() -> bool:
         last = rows[-SFT_WINDOW:]
         return len(last) == SFT_WINDOW and sum(r["sft/token_accuracy"] for r in last) / SFT_WINDOW >= spec.sft_target
 
     while len(rows) < spec.sft_steps and not reached():
-        if not budget.allows(1.5 * est_step + est_stop):
+        if not budget.allows(clock.need()):
             rd.save_state("sft", {"trainer": trainer.state_dict(), "rows": rows, "task_rng": gen.get_state()})
             write_json(rd.path("sft", "progress.json"), {"step": len(rows)})
             log(f"sft: stopped at the time budget after {len(rows)} steps (checkpointed)")
@@ -90,7 +111,7 @@ def run_sft(rd: RunDir, spec: StudySpec, budget: Budget, log: Log) -> bool:
         row = {"step": len(rows), **trainer.sft_step(prompts, truth, spec.micro_batch, spec.grad_clip)}
         rows.append(row)
         budget.step_done()
-        rd.record_time("sft_step_s", time.perf_counter() - t0)
+        clock.record(time.perf_counter() - t0)
         if len(rows) % (LOG_EVERY * 5) == 0 or len(rows) == 1:
             log(f"sft step {len(rows)}: loss {row['sft/loss']:.3f}, token accuracy {row['sft/token_accuracy']:.3f}")
     save_torch(rd.path("sft", "weights.pt"), trainer.weights())
@@ -156,7 +177,7 @@ def run_arm(rd: RunDir, spec: StudySpec, name: str, budget: Budget, log: Log) ->
     device = _device(spec)
     arm, task = spec.arm(name), Task(spec.task, spec.digits)
     gen = torch.Generator().manual_seed(spec.seed + 1)  # every arm sees the same prompts
-    _, est_step, _, est_stop = _estimates(rd, spec)
+    clock = StepClock(rd, spec)
     trainer = Trainer(spec.model, device, spec.seed, spec.lr, qat=arm.qat)
     rollout = None
     try:
@@ -191,19 +212,23 @@ def run_arm(rd: RunDir, spec: StudySpec, name: str, budget: Budget, log: Log) ->
             rd.record_time("engine_start_s", rollout.start_s)
             log(f"{name}: {arm.label}; rollout ready in {rollout.start_s:.1f} s, from step {len(rows)}")
         while len(rows) < spec.steps:
-            if not budget.allows(1.5 * est_step + est_stop):
+            if not budget.allows(clock.need()):
                 save()
                 log(f"{name}: stopped at the time budget after step {len(rows)} (checkpointed)")
                 return False
             row = rl_step(trainer, rollout, task, gen, spec, arm, len(rows))
             rows.append(row)
             budget.step_done()
-            rd.record_time("step_s", row["perf/step_s"])
+            clock.record(row["perf/step_s"])
             if len(rows) % LOG_EVERY == 0 or len(rows) in (1, spec.steps):
                 log(step_line(name, row, spec.steps))
             if len(rows) % spec.ckpt_every == 0 and len(rows) < spec.steps:
                 save()
         if wants_attribution and last is None:  # a held-out batch sampled by the final weights
+            if not budget.allows(clock.need()):
+                save()
+                log(f"{name}: all steps done; the attribution waits for the next piece (checkpointed)")
+                return False
             last = attribution_batch(trainer, rollout, task, spec)
             save()
         if rollout is not None:
@@ -213,7 +238,7 @@ def run_arm(rd: RunDir, spec: StudySpec, name: str, budget: Budget, log: Log) ->
         if wants_attribution:
             from quads_megatron.rl.attribution import attribute
 
-            if not budget.allows(est_step + est_stop):
+            if not budget.allows(clock.need()):
                 save()
                 log(f"{name}: all steps done; the attribution waits for the next piece (checkpointed)")
                 return False
@@ -254,8 +279,6 @@ def run_stage(rd: RunDir, spec: StudySpec, stage: str, budget: Budget, log: Log)
 
 
 def progress(rd: RunDir, stage: str) -> int:
-    from quads_megatron.rl.runs import read_json
-
     done = rd.done(stage)
     if done is not None:
         return len(done.get("rows", []))
@@ -272,7 +295,9 @@ def run_in_worker(rd: RunDir, stage: str, budget: Budget, log: Log) -> None:
         cmd += ["--piece-steps", str(max(0, budget.piece_steps - budget.steps))]
     env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_INTERPRET="0")
     before = progress(rd, stage)
-    with open(rd.path("logs", f"{stage}.log"), "a") as out:
+    log_path = rd.path("logs", f"{stage}.log")
+    offset = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+    with open(log_path, "a") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         grace = 60.0
         try:
@@ -286,32 +311,42 @@ def run_in_worker(rd: RunDir, stage: str, budget: Budget, log: Log) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     budget.steps += max(0, progress(rd, stage) - before)
+    with open(log_path, errors="replace") as f:
+        f.seek(offset)
+        text = f.read()
+    for line in text.splitlines():  # the worker's own lines (SGLang's stay in the log file)
+        if line.startswith("[") and "s] " in line[:24]:
+            print(f"  | {line}", flush=True)
     err = os.path.join(rd.stage_dir(stage), "error.json")
     if proc.returncode != 0 and not os.path.exists(err):
-        with open(rd.path("logs", f"{stage}.log"), errors="replace") as f:
-            tail = f.read()[-4000:]
-        write_json(err, {"error": f"worker exited with {proc.returncode}", "traceback": tail})
-        log(f"{stage}: FAILED: worker exited with {proc.returncode} (log: {rd.path('logs', stage + '.log')})")
+        write_json(err, {"error": f"worker exited with {proc.returncode}", "traceback": text[-6000:]})
+    if os.path.exists(err):  # what went wrong, in the piece's own output
+        rec = read_json(err)
+        log(f"{stage}: FAILED: {rec.get('error')} (log: {log_path})")
+        print("\n".join(f"  ! {x}" for x in str(rec.get("traceback", "")).splitlines()[-25:]), flush=True)
 
 
-def run_study(rd: RunDir, spec: StudySpec, budget: Budget, log: Log) -> str:
-    """Run what is left of the study within the budget: 'done', 'unfinished' or 'failed'."""
+def run_study(rd: RunDir, spec: StudySpec, budget: Budget, log: Log, workers: bool | None = None) -> str:
+    """Run what is left of the study within the budget: 'done', 'unfinished' or 'failed'. workers: stages
+    in worker processes (default: with the SGLang engine, not with the CPU stand-in)."""
+    workers = spec.engine == "sglang" if workers is None else workers
     failed = False
     for stage in stages(spec):
         if rd.done(stage) is not None:
             continue
-        start, est_step, est_sft, est_stop = _estimates(rd, spec)
         started = progress(rd, stage) > 0
-        need = (est_sft if stage == "sft" else start + est_step) + est_stop
+        first = estimate(rd, spec, "sft_first_step_s" if stage == "sft" else "first_step_s")
+        need = (0 if stage == "sft" else estimate(rd, spec, "engine_start_s")) + 1.5 * first
+        need += estimate(rd, spec, "save_s") + estimate(rd, spec, "stop_s")
         if not budget.allows(need):
             log(f"time budget: {budget.remaining():.0f} s left, {stage} needs ~{need:.0f} s; run again to resume")
             return "unfinished"
         left = "" if budget.deadline is None else f" ({budget.remaining():.0f} s of budget left)"
         log(f"{stage}: {'resuming' if started else 'starting'}{left}")
-        if spec.engine == "emulate":
-            run_stage(rd, spec, stage, budget, log)
-        else:
+        if workers:
             run_in_worker(rd, stage, budget, log)
+        else:
+            run_stage(rd, spec, stage, budget, log)
         if rd.done(stage) is None:
             if os.path.exists(os.path.join(rd.stage_dir(stage), "error.json")):
                 failed = True

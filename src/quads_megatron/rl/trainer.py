@@ -214,6 +214,6 @@ def export_hf(model: torch.nn.Module, model_spec: ModelSpec, path: str) -> str:
         os.path.join(path, "model.safetensors"),
         {"format": "pt"},
     )
-    with open(os.path.join(path, "config.json"), "w") as f:
+    with open(os.path.join(path, "config.json"), "w") as f:  # the keys of the hub's Qwen3-MoE config.json
         json.dump(cfg, f, indent=1)
     return path
