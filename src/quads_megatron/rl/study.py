@@ -285,6 +285,21 @@ def progress(rd: RunDir, stage: str) -> int:
     return int((read_json(os.path.join(rd.stage_dir(stage), "progress.json"), {}) or {}).get("step", 0))
 
 
+GRACE_S = 60.0  # a worker still running this long past the deadline is stopped
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the worker's process group (it, the engine's scheduler), SIGKILL 15 s later."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        proc.wait()
+
+
 def run_in_worker(rd: RunDir, stage: str, budget: Budget, log: Log) -> None:
     """The stage in a worker process (own session, killed with its group past the deadline + grace)."""
     os.makedirs(rd.path("logs"), exist_ok=True)
@@ -297,19 +312,20 @@ def run_in_worker(rd: RunDir, stage: str, budget: Budget, log: Log) -> None:
     before = progress(rd, stage)
     log_path = rd.path("logs", f"{stage}.log")
     offset = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+    def terminated(signum, frame):  # `timeout` or a user stopping this piece: stop the worker's group too
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminated)
     with open(log_path, "a") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        grace = 60.0
         try:
-            proc.wait(timeout=None if budget.deadline is None else max(1.0, budget.remaining() + grace))
+            proc.wait(timeout=None if budget.deadline is None else max(1.0, budget.remaining() + GRACE_S))
         except subprocess.TimeoutExpired:
-            log(f"{stage}: the worker outlived the deadline by {grace:.0f} s; stopping it")
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            log(f"{stage}: the worker outlived the deadline by {GRACE_S:.0f} s; stopping it")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if proc.poll() is None:
+                stop_group(proc)
     budget.steps += max(0, progress(rd, stage) - before)
     with open(log_path, errors="replace") as f:
         f.seek(offset)
