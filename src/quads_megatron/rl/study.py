@@ -33,6 +33,7 @@ DEFAULTS = {
     "sglang": {"engine_start_s": 90.0, "first_step_s": 45.0, "step_s": 10.0, "stop_s": 20.0, "save_s": 10.0},
     "emulate": {"engine_start_s": 2.0, "first_step_s": 2.0, "step_s": 2.0, "stop_s": 0.5, "save_s": 0.5},
 }
+SFT_WARMUP = 50  # the SFT learning rate rises linearly over this many steps (a quarter of sft_steps at most)
 SFT_WINDOW = 5  # the SFT target is met when the mean token accuracy of this many last steps reaches it
 LOG_EVERY = 10
 
@@ -103,10 +104,11 @@ def run_sft(rd: RunDir, spec: StudySpec, budget: Budget, log: Log) -> bool:
     while len(rows) < spec.sft_steps and not reached():
         if not budget.allows(clock.need()):
             rd.save_state("sft", {"trainer": trainer.state_dict(), "rows": rows, "task_rng": gen.get_state()})
-            write_json(rd.path("sft", "progress.json"), {"step": len(rows)})
+            write_json(rd.path("sft", "progress.json"), {"step": len(rows), "rows": rows})
             log(f"sft: stopped at the time budget after {len(rows)} steps (checkpointed)")
             return False
         t0 = time.perf_counter()
+        trainer.opt.set_lr(spec.sft_lr * min(1.0, (len(rows) + 1) / max(1, min(SFT_WARMUP, spec.sft_steps // 4))))
         prompts, truth = task.sample(spec.sft_batch, gen)
         row = {"step": len(rows), **trainer.sft_step(prompts, truth, spec.micro_batch, spec.grad_clip)}
         rows.append(row)
@@ -207,10 +209,11 @@ def run_arm(rd: RunDir, spec: StudySpec, name: str, budget: Budget, log: Log) ->
         state_rng = state["rollout_rng"] if state is not None else {}
         wants_attribution = spec.attribution and arm.rollout == "nvfp4"
         if len(rows) < spec.steps or (wants_attribution and last is None):
-            rollout = make_rollout(arm, spec, rd)
+            t0 = time.perf_counter()
+            rollout = make_rollout(arm, spec, rd)  # (converts the engine's checkpoint the first time)
             rollout.set_rng_state(state_rng)
-            rd.record_time("engine_start_s", rollout.start_s)
-            log(f"{name}: {arm.label}; rollout ready in {rollout.start_s:.1f} s, from step {len(rows)}")
+            rd.record_time("engine_start_s", time.perf_counter() - t0)
+            log(f"{name}: {arm.label}; rollout ready in {time.perf_counter() - t0:.1f} s, from step {len(rows)}")
         while len(rows) < spec.steps:
             if not budget.allows(clock.need()):
                 save()
@@ -230,7 +233,6 @@ def run_arm(rd: RunDir, spec: StudySpec, name: str, budget: Budget, log: Log) ->
                 log(f"{name}: all steps done; the attribution waits for the next piece (checkpointed)")
                 return False
             last = attribution_batch(trainer, rollout, task, spec)
-            save()
         if rollout is not None:
             rollout.close()
             rollout = None
@@ -312,6 +314,7 @@ def run_in_worker(rd: RunDir, stage: str, budget: Budget, log: Log) -> None:
     before = progress(rd, stage)
     log_path = rd.path("logs", f"{stage}.log")
     offset = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+
     def terminated(signum, frame):  # `timeout` or a user stopping this piece: stop the worker's group too
         raise KeyboardInterrupt
 

@@ -62,6 +62,10 @@ class MasterAdam:
         self.masters = [p.detach().float().clone() for p in params]
         self.opt = torch.optim.Adam(self.masters, lr=lr, betas=betas, eps=1e-8)
 
+    def set_lr(self, lr: float) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+
     def step(self, grad_clip: float) -> float:
         for p, m in zip(self.params, self.masters, strict=True):
             m.grad = None if p.grad is None else p.grad.float()
