@@ -5,8 +5,8 @@
 #                                                   rl-test cpu
 # engine-bench takes its arguments from BENCH_ENGINE_ARGS. rl runs one resumable piece of the `quads rl` study in
 # $RL_RUN (default /tmp/rl_run; kept while the machine stays warm) with arguments from RL_ARGS, its budget
-# SECONDS - 60; call it again to resume. rl-smoke: every engine and trainer kind for 3 steps in /tmp/rl_smoke.
-# Both copy the summary (rl_summary.md/.json, plots) into $OUT.
+# SECONDS - 90; call it again to resume. rl-smoke (run it as rl-smoke:240): arms bf16, naive, quads for 3 steps
+# (RL_SMOKE_ARMS overrides) on a 2-layer model in /tmp/rl_smoke (resumes too). Both copy the summary (rl_summary.md/.json, plots) to $OUT.
 set -u
 . /tmp/quads_env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,10 +25,10 @@ for spec in "$@"; do
     gemm) timeout "$secs" python3 benchmarks/bench_moe_w4a4.py --out "$OUT" > "$log" 2>&1 ;;
     engine-bench) timeout "$secs" python3 benchmarks/bench_engine.py --out "$OUT" ${BENCH_ENGINE_ARGS:-} > "$log" 2>&1 ;;
     rl) run=${RL_RUN:-/tmp/rl_run}
-        timeout "$secs" python3 -m quads_megatron.cli rl --out "$run" --budget-s $((secs - 60)) ${RL_ARGS:-} > "$log" 2>&1
+        timeout "$secs" python3 -m quads_megatron.cli rl --out "$run" --budget-s $((secs - 90)) ${RL_ARGS:-} > "$log" 2>&1
         rc=$?; cp "$run"/summary/rl_* "$OUT"/ 2>/dev/null; (exit $rc) ;;
     rl-smoke) timeout "$secs" python3 -m quads_megatron.cli rl --out /tmp/rl_smoke --model smoke \
-          --arms bf16,naive,quads,naive-tis --steps 3 --sft-steps 20 --prompts 8 --group 4 --digits 3 \
+          --arms ${RL_SMOKE_ARMS:-main} --steps 3 --sft-steps 20 --prompts 8 --group 4 --digits 3 \
           --budget-s $((secs - 30)) > "$log" 2>&1
         rc=$?; mkdir -p "$OUT/smoke"; cp /tmp/rl_smoke/summary/rl_summary.* "$OUT/smoke/" 2>/dev/null; (exit $rc) ;;
     rl-test) timeout "$secs" bash -c "$(declare -f pt); pt -s tests/gpu/test_rl_gpu.py" > "$log" 2>&1 ;;

@@ -30,7 +30,7 @@ Log = Callable[[str], None]
 #: estimates before anything was measured, per engine kind: engine start, first step of a process (warm-up:
 #: kernels compile), later steps, stop (engine shutdown, process exit); seconds
 DEFAULTS = {
-    "sglang": {"engine_start_s": 90.0, "first_step_s": 45.0, "step_s": 10.0, "stop_s": 20.0, "save_s": 10.0},
+    "sglang": {"engine_start_s": 60.0, "first_step_s": 30.0, "step_s": 10.0, "stop_s": 15.0, "save_s": 5.0},
     "emulate": {"engine_start_s": 2.0, "first_step_s": 2.0, "step_s": 2.0, "stop_s": 0.5, "save_s": 0.5},
 }
 SFT_WARMUP = 50  # the SFT learning rate rises linearly over this many steps (a quarter of sft_steps at most)
