@@ -5,8 +5,9 @@
 #                                                   rl-test cpu
 # engine-bench takes its arguments from BENCH_ENGINE_ARGS. rl runs one resumable piece of the `quads rl` study in
 # $RL_RUN (default /tmp/rl_run; kept while the machine stays warm) with arguments from RL_ARGS, its budget
-# SECONDS - 90; call it again to resume. rl-smoke (run it as rl-smoke:240): arms bf16, naive, quads for 3 steps
-# (RL_SMOKE_ARMS overrides) on a 2-layer model in /tmp/rl_smoke (resumes too). Both copy the summary (rl_summary.md/.json, plots) to $OUT.
+# SECONDS - 90; call it again to resume. rl-smoke (run it as rl-smoke:240): arms bf16, naive, quads (or
+# RL_SMOKE_ARMS) for 3 steps on a 2-layer model in /tmp/rl_smoke; it resumes too. Both copy the summary
+# (rl_summary.md/.json, plots) to $OUT.
 set -u
 . /tmp/quads_env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
