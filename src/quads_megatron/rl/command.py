@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sft-target", type=float, metavar="ACC", help="stop SFT at this token accuracy (default 0.6)")
     p.add_argument("--sft-batch", type=int, metavar="N", help="SFT batch (default 256)")
     p.add_argument("--sft-lr", type=float, help="SFT learning rate (default 1e-3)")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="seed of the model init, the prompts and the sampling (default 0)")
     p.add_argument("--micro-batch", type=int, metavar="N", help="sequences per forward/backward (default 256)")
     p.add_argument("--mem-fraction", type=float, help="SGLang mem_fraction_static (default 0.2)")
     p.add_argument("--ckpt-every", type=int, metavar="N", help="checkpoint every N steps (default 50)")
