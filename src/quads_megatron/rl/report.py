@@ -351,7 +351,9 @@ def plots(data: dict, out_dir: str) -> list[str]:
             [p * 100 for p in px], [PAPER["rac_max_gap"][p] for p in px], "x--", c="tab:red", label="paper max gap"
         )
         ax2.set_ylabel("paper: max gap", color="tab:red")
-        ax.legend(fontsize=8, loc="upper right")
+        handles = ax.get_legend_handles_labels()
+        extra = ax2.get_legend_handles_labels()
+        ax.legend(handles[0] + extra[0], handles[1] + extra[1], fontsize=8, loc="upper right")
         ax.set_title("RAC ratio sweep")
         fig.tight_layout()
         written.append(os.path.join(out_dir, "rl_sweep.png"))
@@ -364,6 +366,8 @@ def plots(data: dict, out_dir: str) -> list[str]:
         for i, (name, at) in enumerate(attr.items()):
             layers = [r["layer"] for r in at["layers"]]
             ax.bar([x + i * width for x in layers], [r["gap_only"] for r in at["layers"]], width, label=name)
+        layers = [r["layer"] for r in next(iter(attr.values()))["layers"]]
+        ax.set_xticks([x + (len(attr) - 1) * width / 2 for x in layers], [str(x) for x in layers])
         ax.set_xlabel("MoE layer (Megatron layer number)")
         ax.set_ylabel("mean |gap| with only this layer NVFP4")
         ax.set_title("Per-layer attribution (trainer emulation of the rollout numerics)")
