@@ -54,7 +54,7 @@ def test_version_and_help(capsys):
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"quads {__version__}"
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    assert {c.dest for c in sub._choices_actions} == {"convert", "demo"}  # demo: megatron-core imports here
+    assert {c.dest for c in sub._choices_actions} == {"convert", "demo", "rl"}  # demo: megatron-core imports here
     assert all(c.help for c in sub._choices_actions)
     convert = sub.choices["convert"]
     for action in convert._actions:
@@ -65,6 +65,12 @@ def test_version_and_help(capsys):
     with pytest.raises(SystemExit) as e:
         main(["demo", "--help"])
     assert e.value.code == 0
+    rl = sub.choices["rl"]
+    for action in rl._actions:
+        assert action.help and action.help != argparse.SUPPRESS, action.dest
+    text = rl.format_help()
+    for words in ("--dry-run", "--budget-s", "75 stopped at the time budget", "racR (QAT + RAC R%)"):
+        assert words in text, words
 
 
 def test_usage_errors_exit_2(capsys):

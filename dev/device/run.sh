@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # On the GPU machine, after install.sh: run parts of the GPU checks and benchmarks, each with its own timeout,
 # each logging to $OUT/<part>.log (at most 8 files come back per call), one summary line per part.
-#   bash dev/device/run.sh PART[:SECONDS] ...      parts: cuda te engine sync block gemm engine-bench cpu
-# engine-bench takes its arguments from BENCH_ENGINE_ARGS.
+#   bash dev/device/run.sh PART[:SECONDS] ...      parts: cuda te engine sync block gemm engine-bench rl rl-smoke
+#                                                   rl-test cpu
+# engine-bench takes its arguments from BENCH_ENGINE_ARGS. rl runs one resumable piece of the `quads rl` study in
+# $RL_RUN (default /tmp/rl_run; kept while the machine stays warm) with arguments from RL_ARGS, its budget
+# SECONDS - 90; call it again to resume. rl-smoke (run it as rl-smoke:240): arms bf16, naive, quads (or
+# RL_SMOKE_ARMS) for 3 steps on a 2-layer model in /tmp/rl_smoke; it resumes too. Both copy the summary
+# (rl_summary.md/.json, plots) to $OUT.
 set -u
 . /tmp/quads_env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -20,6 +25,14 @@ for spec in "$@"; do
     block) timeout "$secs" python3 benchmarks/bench_moe_block.py --out "$OUT" > "$log" 2>&1 ;;
     gemm) timeout "$secs" python3 benchmarks/bench_moe_w4a4.py --out "$OUT" > "$log" 2>&1 ;;
     engine-bench) timeout "$secs" python3 benchmarks/bench_engine.py --out "$OUT" ${BENCH_ENGINE_ARGS:-} > "$log" 2>&1 ;;
+    rl) run=${RL_RUN:-/tmp/rl_run}
+        timeout "$secs" python3 -m quads_megatron.cli rl --out "$run" --budget-s $((secs - 90)) ${RL_ARGS:-} > "$log" 2>&1
+        rc=$?; cp "$run"/summary/rl_* "$OUT"/ 2>/dev/null; (exit $rc) ;;
+    rl-smoke) timeout "$secs" python3 -m quads_megatron.cli rl --out /tmp/rl_smoke --model smoke \
+          --arms ${RL_SMOKE_ARMS:-main} --steps 3 --sft-steps 20 --prompts 8 --group 4 --digits 3 \
+          --budget-s $((secs - 30)) > "$log" 2>&1
+        rc=$?; mkdir -p "$OUT/smoke"; cp /tmp/rl_smoke/summary/rl_summary.* "$OUT/smoke/" 2>/dev/null; (exit $rc) ;;
+    rl-test) timeout "$secs" bash -c "$(declare -f pt); pt -s tests/gpu/test_rl_gpu.py" > "$log" 2>&1 ;;
     cpu) CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 timeout "$secs" bash -c "$(declare -f pt); pt tests --ignore=tests/gpu" > "$log" 2>&1 ;;
     *) echo "unknown part $part" > "$log"; false ;;
   esac

@@ -1,4 +1,4 @@
-"""`quads` command line: convert checkpoints to NVFP4, run the CPU RL demo."""
+"""`quads` command line: convert checkpoints to NVFP4, run the CPU RL demo, run the RL study (`quads rl`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from quads_megatron import __version__
 EXIT_USAGE = 2  # argparse: unknown option, missing argument
 EXIT_INPUT = 3  # bad input or output location: refused with one line, nothing lost
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+EXIT_UNFINISHED = 75  # quads rl: stopped at its time budget with work left (run it again to resume)
 
 EXIT_CODES = f"""exit status:
   0    success
   {EXIT_USAGE}    usage error (unknown option, missing argument)
   {EXIT_INPUT}    the input or the output location was refused (one line on stderr says why;
        nothing at the destination was changed)
+  {EXIT_UNFINISHED}   quads rl: stopped at --budget-s with work left (checkpointed; run it again to resume)
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C); run the same command again to resume"""
 
 CONVERT_EPILOG = f"""files:
@@ -182,15 +184,30 @@ def _demo(args: argparse.Namespace) -> int:
     return demo_main(args)
 
 
+def _rl_parser(sub: argparse._SubParsersAction) -> None:
+    from quads_megatron.rl import command
+
+    r = sub.add_parser(
+        "rl",
+        help="RL study on one GPU: Megatron trainer + colocated SGLang rollout, BF16 vs naive NVFP4 vs QUADS",
+        description=command.DESCRIPTION,
+        epilog=command.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    command.add_arguments(r)
+    r.set_defaults(func=lambda args: command.main(args, r))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="quads",
-        description="QUADS NVFP4 tools: convert checkpoints for the NVFP4 rollout; run the CPU RL demo.",
+        description="QUADS NVFP4 tools: convert checkpoints for the NVFP4 rollout; run the CPU RL demo and the "
+        "RL study.",
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--version", action="version", version=f"quads {__version__}")
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{convert,demo}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{convert,demo,rl}")
     _convert_parser(sub)
     try:
         from quads_megatron.demo.rl import add_arguments
@@ -205,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         add_arguments(d)
         d.set_defaults(func=_demo)
+    _rl_parser(sub)
     return ap
 
 
@@ -225,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "convert" and not args.verify_only:
             partial = os.path.realpath(args.dst) + ".partial"
             msg += f"; the partial output {partial} is kept: run the same command again to resume"
+        if args.cmd == "rl":
+            msg += "; run the same command again to resume from the last checkpoint"
         print(f"{chr(10) if sys.stderr.isatty() else ''}{prog}: {msg}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except QuadsError as e:
