@@ -18,6 +18,33 @@ from quads_megatron.nvfp4 import NVFP4Recipe, NVFP4Tensor, ScaleMode
 
 
 @triton.jit
+def _load_tile(x_ptr, s_enc_ptr, s_dec_ptr, M, K, stride_xm, s_stride, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_K] tile as even/odd fp32 halves, its indices, masks and row scales."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    NB: tl.constexpr = BLOCK_K // 16
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.program_id(1) * HALF + tl.arange(0, HALF)
+    blocks = tl.program_id(1) * NB + tl.arange(0, NB)
+    rmask = rows < M
+    mask = rmask[:, None] & (pairs[None, :] < K // 2)
+    ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + 2 * pairs[None, :]
+    x0 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(ptrs + 1, mask=mask, other=0.0).to(tl.float32)
+    s_enc = tl.load(s_enc_ptr + rows * s_stride, mask=rmask, other=1.0)
+    s_dec = tl.load(s_dec_ptr + rows * s_stride, mask=rmask, other=1.0)
+    return rows, pairs, blocks, rmask, mask, x0, x1, s_enc, s_dec
+
+
+@triton.jit
+def _store_tile(codes_ptr, scales_ptr, packed, sb_code, rows, pairs, blocks, rmask, mask, K):
+    """Packed E2M1 pairs [BLOCK_M, BLOCK_K/2] and E4M3 block-scale codes [BLOCK_M, BLOCK_K/16] of a tile."""
+    out_rows = rows[:, None].to(tl.int64)
+    tl.store(codes_ptr + out_rows * (K // 2) + pairs[None, :], packed.to(tl.uint8), mask=mask)
+    smask = rmask[:, None] & (blocks[None, :] < K // 16)
+    tl.store(scales_ptr + out_rows * (K // 16) + blocks[None, :], sb_code.to(tl.uint8), mask=smask)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr,
     s_enc_ptr,
@@ -31,23 +58,11 @@ def _quantize_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    HALF: tl.constexpr = BLOCK_K // 2
-    NB: tl.constexpr = BLOCK_K // 16
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.program_id(1) * HALF + tl.arange(0, HALF)
-    blocks = tl.program_id(1) * NB + tl.arange(0, NB)
-    rmask = rows < M
-    mask = rmask[:, None] & (pairs[None, :] < K // 2)
-    ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + 2 * pairs[None, :]
-    x0 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(ptrs + 1, mask=mask, other=0.0).to(tl.float32)
-    s_enc = tl.load(s_enc_ptr + rows * s_stride, mask=rmask, other=1.0)
-    s_dec = tl.load(s_dec_ptr + rows * s_stride, mask=rmask, other=1.0)
+    rows, pairs, blocks, rmask, mask, x0, x1, s_enc, s_dec = _load_tile(
+        x_ptr, s_enc_ptr, s_dec_ptr, M, K, stride_xm, s_stride, BLOCK_M, BLOCK_K
+    )
     packed, sb_code, _ = nvfp4_block_encode(x0, x1, s_enc, s_dec, BLOCK_M, BLOCK_K)
-    out_rows = rows[:, None].to(tl.int64)
-    tl.store(codes_ptr + out_rows * (K // 2) + pairs[None, :], packed.to(tl.uint8), mask=mask)
-    smask = rmask[:, None] & (blocks[None, :] < K // 16)
-    tl.store(scales_ptr + out_rows * (K // 16) + blocks[None, :], sb_code.to(tl.uint8), mask=smask)
+    _store_tile(codes_ptr, scales_ptr, packed, sb_code, rows, pairs, blocks, rmask, mask, K)
 
 
 @triton.jit
@@ -68,25 +83,13 @@ def _quantize_4over6_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """_quantize_kernel under a 4over6 recipe: amax_ptr holds the global amax (per row with s_stride 1)."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    NB: tl.constexpr = BLOCK_K // 16
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.program_id(1) * HALF + tl.arange(0, HALF)
-    blocks = tl.program_id(1) * NB + tl.arange(0, NB)
-    rmask = rows < M
-    mask = rmask[:, None] & (pairs[None, :] < K // 2)
-    ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + 2 * pairs[None, :]
-    x0 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(ptrs + 1, mask=mask, other=0.0).to(tl.float32)
-    s_enc = tl.load(s_enc_ptr + rows * s_stride, mask=rmask, other=1.0)
-    s_dec = tl.load(s_dec_ptr + rows * s_stride, mask=rmask, other=1.0)
+    rows, pairs, blocks, rmask, mask, x0, x1, s_enc, s_dec = _load_tile(
+        x_ptr, s_enc_ptr, s_dec_ptr, M, K, stride_xm, s_stride, BLOCK_M, BLOCK_K
+    )
     amax = tl.load(amax_ptr + rows * s_stride, mask=rmask, other=0.0)
     y0, y1, sb_code, _ = nvfp4_block_scaled_4over6(x0, x1, s_enc, s_dec, amax, E4M3_MAX, MSE, BLOCK_M, BLOCK_K)
     packed = e2m1_code(y0) | (e2m1_code(y1) << 4)
-    out_rows = rows[:, None].to(tl.int64)
-    tl.store(codes_ptr + out_rows * (K // 2) + pairs[None, :], packed.to(tl.uint8), mask=mask)
-    smask = rmask[:, None] & (blocks[None, :] < K // 16)
-    tl.store(scales_ptr + out_rows * (K // 16) + blocks[None, :], sb_code.to(tl.uint8), mask=smask)
+    _store_tile(codes_ptr, scales_ptr, packed, sb_code, rows, pairs, blocks, rmask, mask, K)
 
 
 def quantize(

@@ -303,7 +303,7 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 def run_in_worker(rd: RunDir, stage: str, budget: Budget, log: Log) -> None:
-    """The stage in a worker process (own session, killed with its group past the deadline + grace)."""
+    """The stage in a worker process (own process group, killed as a group past the deadline + grace)."""
     os.makedirs(rd.path("logs"), exist_ok=True)
     cmd = [sys.executable, "-m", "quads_megatron.rl.study", rd.root, stage]
     if budget.deadline is not None:
@@ -320,7 +320,7 @@ def run_in_worker(rd: RunDir, stage: str, budget: Budget, log: Log) -> None:
 
     previous = signal.signal(signal.SIGTERM, terminated)
     with open(log_path, "a") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0)
         try:
             proc.wait(timeout=None if budget.deadline is None else max(1.0, budget.remaining() + GRACE_S))
         except subprocess.TimeoutExpired:
