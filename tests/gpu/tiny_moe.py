@@ -23,29 +23,14 @@ def qwen3_moe_config(
     head_dim: int = 64,
     vocab: int = 1024,
 ) -> dict:
-    """config.json of a Qwen3MoeForCausalLM (every layer MoE, no shared expert, normalized top-k)."""
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "hidden_size": hidden,
-        "intermediate_size": 4 * hidden,
-        "moe_intermediate_size": moe_inter,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "num_experts": experts,
-        "num_experts_per_tok": topk,
-        "vocab_size": vocab,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "norm_topk_prob": True,
-        "torch_dtype": "bfloat16",
-        "tie_word_embeddings": False,
-    }
+    """config.json of a Qwen3MoeForCausalLM (every layer MoE, no shared expert, normalized top-k): the
+    same dict `quads rl` serves, from its ModelSpec."""
+    from quads_megatron.rl.spec import ModelSpec
+
+    return ModelSpec(
+        layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        experts=experts, topk=topk, moe_ffn=moe_inter, vocab=vocab,
+    ).hf_config()  # fmt: skip
 
 
 def write_checkpoint(path: str | os.PathLike, config: dict, seed: int = 0, device: str = "cpu") -> str:
