@@ -164,3 +164,27 @@ def test_grouped_gemm_takes_row_tiles_made_beforehand():
         gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, config=tiles32, a_rows=tokens, tiles=op.tiles)
     with pytest.raises(ValueError, match="row tiles of 16 rows"):
         gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, config=tiles16, a_rows=tokens[:-5], tiles=op.tiles)
+
+
+@pytest.mark.parametrize("t,k,e", [(1, 1, 1), (13, 3, 5), (16, 8, 128), (7, 4, 100), (300, 8, 96), (33, 6, 7)])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int16])
+def test_route_kernel_equals_the_torch_routing(t, k, e, dtype):
+    from quads_megatron.kernels import route as route_kernel
+
+    g = torch.Generator().manual_seed(t * 1000 + k * 10 + e)
+    ids = torch.randint(-2, e + 3, (t, k), generator=g).to(dtype)  # foreign ids on both sides of [0, e)
+    r = route_kernel.route(ids, e)
+    order, offs, valid = route(ids, e)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel())
+    assert torch.equal(r.order, order) and torch.equal(r.offs, offs) and torch.equal(r.valid, valid)
+    assert torch.equal(r.tokens, order // k) and torch.equal(r.pos, pos)
+
+
+def test_route_kernel_refuses_what_it_cannot_route():
+    from quads_megatron.kernels import route as route_kernel
+
+    with pytest.raises(ValueError, match="integer"):
+        route_kernel.route(torch.zeros(2, 2), 4)
+    with pytest.raises(ValueError, match="ROUTE_MAX_ROWS"):
+        route_kernel.route(torch.zeros(route_kernel.ROUTE_MAX_ROWS + 1, 1, dtype=torch.long), 4)

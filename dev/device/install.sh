@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # On the GPU machine, after the staging calls: install TE 2.20.2 + megatron-core 0.19.2, SGLang 0.5.17 and
 # this project (as a wheel) into one site folder, /tmp/site. Idempotent; writes /tmp/quads_env.sh.
+# QUADS_STACK=sglang: SGLang and the project only (staged: b/ then a/ + proj/; no TE core, two calls).
 set -euo pipefail
 S=/tmp/qstage SITE=/tmp/site
 [ -d "${1:-}" ] && cp -a "$1"/. "$S"/   # the last carry (s5) is installed straight from the checkout
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$@"; }
-if [ ! -f "$SITE/.quads_installed" ]; then
+STACK=${QUADS_STACK:-all}
+if [ "$STACK" = sglang ] && [ ! -f "$SITE/.quads_installed" ]; then
+  pipi "$S"/a/*.whl
+  pipi "$S"/b/*.whl
+  rm -rf "$SITE/IPython" && cp -r "$S/a/IPython_stub" "$SITE/IPython"
+  touch "$SITE/.quads_installed"
+elif [ ! -f "$SITE/.quads_installed" ]; then
   core=/tmp/te_core/transformer_engine_cu13-2.20.2-py3-none-manylinux_2_28_x86_64.whl
   mkdir -p /tmp/te_core && cat "$S"/te_core.part{0,1,2,3,4} > "$core"
   echo "30063d3699e779cce63617c3458804f7a504ce8279f2749c98313db9daae273e  $core" | sha256sum -c --quiet
@@ -23,8 +30,14 @@ ENV
 . /tmp/quads_env.sh
 python3 - <<'PY'
 import torch, triton
-import transformer_engine, megatron.core, sglang, quads_megatron
-print("installed: torch", torch.__version__, "triton", triton.__version__, "TE", transformer_engine.__version__,
-      "megatron-core", megatron.core.__version__, "sglang", sglang.__version__, "quads_megatron", quads_megatron.__version__,
+import importlib, sglang, quads_megatron
+v = {}
+for name in ("transformer_engine", "megatron.core"):
+    try:
+        v[name] = importlib.import_module(name).__version__
+    except ImportError:
+        v[name] = "not installed"
+print("installed: torch", torch.__version__, "triton", triton.__version__, "TE", v["transformer_engine"],
+      "megatron-core", v["megatron.core"], "sglang", sglang.__version__, "quads_megatron", quads_megatron.__version__,
       "from", quads_megatron.__file__)
 PY

@@ -55,9 +55,11 @@ def combine(
     topk_weights: torch.Tensor,
     num_experts: int,
     out_dtype: torch.dtype,
+    pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y_grouped [T*k, H] (rows in rollout.moe_block.route order), order int64 [T*k], topk_ids/topk_weights
-    [T, k] -> [T, H] in out_dtype (bf16/fp16/fp32). Slots of foreign experts contribute nothing."""
+    [T, k] -> [T, H] in out_dtype (bf16/fp16/fp32). Slots of foreign experts contribute nothing.
+    pos: order's inverse (int64 [T*k], e.g. kernels.route's) where known; None: computed here."""
     t, k = topk_ids.shape
     h = y_grouped.shape[1]
     if y_grouped.shape[0] != t * k or order.shape != (t * k,) or topk_weights.shape != (t, k):
@@ -67,8 +69,11 @@ def combine(
         )
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"combine: out_dtype must be bf16/fp16/fp32, got {out_dtype}")
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(order.numel(), device=order.device)
+    if pos is None:
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(order.numel(), device=order.device)
+    elif pos.shape != order.shape:
+        raise ValueError(f"combine: pos {tuple(pos.shape)} does not fit order {tuple(order.shape)}")
     out = torch.empty((t, h), dtype=out_dtype, device=y_grouped.device)
     if t == 0:
         return out

@@ -186,16 +186,23 @@ def moe_w4a4(
     check_activation(activation)  # before any work, on both paths
     if x.shape[0] == 0:  # idle batch (e.g. data-parallel attention ranks without tokens)
         return torch.empty_like(x)
-    order, offs, valid = route(topk_ids, weights.num_experts)
-    tokens = order // topk_ids.shape[1]
     if impl == "reference":
+        order, offs, valid = route(topk_ids, weights.num_experts)
+        tokens = order // topk_ids.shape[1]
         y2 = _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation, recipe)
         return combine(y2, order, valid, topk_weights).to(x.dtype)
     from quads_megatron.kernels import combine as combine_kernel
+    from quads_megatron.kernels import route as route_kernel
 
+    if topk_ids.numel() <= route_kernel.ROUTE_MAX_ROWS:  # decode sizes: one launch instead of a dozen
+        r = route_kernel.route(topk_ids, weights.num_experts)
+        order, offs, valid, tokens, pos = r.order, r.offs, r.valid, r.tokens, r.pos
+    else:
+        order, offs, valid = route(topk_ids, weights.num_experts)
+        tokens, pos = order // topk_ids.shape[1], None
     wgmma = impl == "wgmma"
     y2 = _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, wgmma, recipe)
-    return combine_kernel.combine(y2, order, topk_ids, topk_weights, weights.num_experts, x.dtype)
+    return combine_kernel.combine(y2, order, topk_ids, topk_weights, weights.num_experts, x.dtype, pos)
 
 
 def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation, recipe):
