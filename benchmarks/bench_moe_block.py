@@ -38,7 +38,16 @@ from quads_megatron.rollout.rac_plan import RACPlan
 SHAPE = {"experts": 128, "hidden": 2048, "inter": 768, "topk": 8}
 TINY = {"experts": 8, "hidden": 256, "inter": 128, "topk": 2}
 TOKENS = (16, 64, 256, 1024, 4096, 16384)
-ARMS = ("ours", "ours_rac50", "ours_rac50_static", "sglang_fp8", "sglang_fp8_tensor", "sglang_bf16", "torch_bf16")
+ARMS = (
+    "ours",
+    "ours_rac50",
+    "ours_rac50_static",
+    "ours_torch_route",
+    "sglang_fp8",
+    "sglang_fp8_tensor",
+    "sglang_bf16",
+    "torch_bf16",
+)
 FP8_BLOCK = 128
 
 
@@ -95,12 +104,13 @@ def markdown(result: dict) -> str:
         "group activation quantization; 'fp8 tensor' = per-tensor FP8 weights as quantization='fp8' makes",
         f"them. Floor = bytes of the experts hit + bf16 activations in/out at {result['hbm_tbps']} TB/s.",
         "Ratios > 1: ours faster. Static RAC plans: fc1 from the inputs' residuals, fc2 arbitrary (time",
-        "depends on the channel count only).",
+        "depends on the channel count only). 'ours, torch routing': the same block with the routing as a",
+        "dozen torch ops instead of the one-launch kernel (kernels/route.py), measured in the same run.",
         "",
     ]
     head = ["tokens", "experts hit", "ours", "+ dyn RAC 50%", "+ static RAC 50%", "SGLang FP8", "SGLang FP8 tensor"]
     head += ["SGLang bf16", "torch bf16", "ours vs FP8", "ours vs bf16", "RAC50 vs FP8", "NVFP4 floor"]
-    head += ["ours % floor", "FP8 floor", "FP8 % floor", "ours max err"]
+    head += ["ours % floor", "FP8 floor", "FP8 % floor", "ours max err", "ours, torch routing"]
     rows = []
     for r in result["rows"]:
         rows.append(
@@ -111,6 +121,7 @@ def markdown(result: dict) -> str:
                 f(r.get("ours_vs_sglang_bf16"), ".2f"), f(r.get("ours_rac50_vs_sglang_fp8"), ".2f"),
                 f(r.get("hbm_floor_us")), f(r.get("ours_pct_floor"), ".0f"), f(r.get("fp8_floor_us")),
                 f(r.get("sglang_fp8_pct_floor"), ".0f"), f(r.get("ours_max_abs_err"), ".2e"),
+                f(r.get("ours_torch_route_us")),
             ]
         )  # fmt: skip
     lines += bench_env.table(head, rows)
@@ -325,7 +336,17 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
         r = r or moe.LayerRAC()
         return lambda: moe.moe_w4a4(t["x"], ids, t["w"], weights, r, impl="auto", check=False)
 
+    def ours_torch_route():  # A/B of the one-launch routing kernel: the same block on the torch routing
+        from quads_megatron.kernels import route as route_kernel
+
+        kept, route_kernel.ROUTE_MAX_ROWS = route_kernel.ROUTE_MAX_ROWS, 0
+        try:
+            return moe.moe_w4a4(t["x"], ids, t["w"], weights, impl="auto", check=False)
+        finally:
+            route_kernel.ROUTE_MAX_ROWS = kept
+
     fns = {"ours": ours(), "ours_rac50": ours(rac_dyn), "ours_rac50_static": ours(rac_static)}
+    fns["ours_torch_route"] = ours_torch_route
     fns["torch_bf16"] = lambda: torch_bf16_block(t, inp, shape["topk"])
     for arm in ("sglang_fp8", "sglang_fp8_tensor", "sglang_bf16"):
         if arm not in args.arms:
