@@ -49,6 +49,8 @@ ARMS = (
     "torch_bf16",
 )
 FP8_BLOCK = 128
+#: HBM bandwidth (TB/s) of the floor by a substring of the GPU's name (the SXM parts); others: --hbm-tbps
+HBM_TBPS = {"H200": 4.8, "H100": 3.35}
 
 
 # ----------------------------------------------------------------------------- pure parts
@@ -384,7 +386,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     ap.add_argument("--out", help="results folder (default: $OUT, else benchmarks/results; dry run: the workdir)")
-    ap.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the floor (H200: 4.8 TB/s)")
+    ap.add_argument(
+        "--hbm-tbps", type=float, default=None, help="HBM bandwidth of the floor (default: by GPU name, HBM_TBPS)"
+    )
     ap.add_argument("--rep-ms", type=int, default=60, help="replay time per measurement (triton do_bench_cudagraph)")
     ap.add_argument("--check-rtol", type=float, default=5e-3, help="ours vs reference relative error bound")
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, reference path, no SGLang")
@@ -419,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
+    if args.hbm_tbps is None:
+        name = torch.cuda.get_device_name() if args.device == "cuda" else "H200"
+        args.hbm_tbps = next((v for k, v in HBM_TBPS.items() if k in name), HBM_TBPS["H200"])
     result = {**bench_env.header(), "shape": shape, "hbm_tbps": args.hbm_tbps, "dry_run": args.dry_run, "rows": []}
     t0 = time.time()
     inp = make_inputs(shape, args.device)
