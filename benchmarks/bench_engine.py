@@ -41,6 +41,8 @@ import bench_env
 from bench_engine_model import QUADS_ARMS, prepare
 
 ARMS = ("bf16", "fp8", *QUADS_ARMS, "layercheck")
+#: the committed results (the default --out, and the last place --resume looks)
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 #: process groups of the arms running now (each started in a new process group: killed as a whole)
 RUNNING: set[int] = set()
 
@@ -331,7 +333,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--mem-fraction: must be in (0, 1), got {args.mem_fraction}")
     args.tiny = args.tiny or args.dry_run
     if args.out is None:
-        results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+        results = RESULTS
         args.out = os.path.join(args.workdir, "out") if args.dry_run else os.environ.get("OUT") or results
     return args
 
@@ -351,7 +353,7 @@ def resume_path(args) -> str | None:
         if not os.path.exists(args.resume):
             raise SystemExit(f"bench_engine: --resume {args.resume}: no such file")
         return args.resume
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_engine.json")
+    here = os.path.join(RESULTS, "bench_engine.json")
     for path in (os.path.join(args.out, "bench_engine.json"), os.path.join(args.workdir, "bench_engine.json"), here):
         if os.path.exists(path):
             return path
@@ -484,7 +486,7 @@ def run_child(arm: str, batches: list[int], model: str, args, log) -> dict:
 def finish(results: dict, json_path: str, args) -> None:
     results["ratios"] = ratios(results)
     moe_block = None
-    for folder in (args.out, os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")):
+    for folder in (args.out, RESULTS):
         path = os.path.join(folder, "moe_block.json")
         if moe_block is None and os.path.exists(path):
             with open(path) as f:

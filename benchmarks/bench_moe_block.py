@@ -408,6 +408,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.out is None:
         results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
         args.out = os.path.join(args.workdir, "out") if args.dry_run else os.environ.get("OUT") or results
+    if args.hbm_tbps is None:  # the GPU's own, H200's without one (dry run)
+        name = torch.cuda.get_device_name() if args.device == "cuda" and torch.cuda.is_available() else "H200"
+        args.hbm_tbps = next((v for k, v in HBM_TBPS.items() if k in name), HBM_TBPS["H200"])
     if args.dry_run and args.tokens == list(TOKENS):
         args.tokens = [4, 16]
     return args
@@ -423,9 +426,6 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
-    if args.hbm_tbps is None:
-        name = torch.cuda.get_device_name() if args.device == "cuda" else "H200"
-        args.hbm_tbps = next((v for k, v in HBM_TBPS.items() if k in name), HBM_TBPS["H200"])
     result = {**bench_env.header(), "shape": shape, "hbm_tbps": args.hbm_tbps, "dry_run": args.dry_run, "rows": []}
     t0 = time.time()
     inp = make_inputs(shape, args.device)

@@ -229,7 +229,8 @@ def frag(batches: dict[str, float], steps: dict[str, float] | None = None) -> di
     return {"ok": True, "startup_s": 30.0, "batches": row}
 
 
-def test_bench_results_merge_ratios_check_and_markdown(tmp_path):
+def test_bench_results_merge_ratios_check_and_markdown(tmp_path, monkeypatch):
+    monkeypatch.setattr(be, "RESULTS", str(tmp_path / "committed"))  # not the repository's own results
     argv = ["--layers", "12", "--check-layers", "4", "--out", str(tmp_path), "--workdir", str(tmp_path / "w")]
     args = be.parse_args([*argv, "--resume", str(tmp_path / "none.json")])
     with pytest.raises(SystemExit, match="no such file"):
