@@ -166,7 +166,9 @@ def test_grouped_gemm_takes_row_tiles_made_beforehand():
         gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, config=tiles16, a_rows=tokens[:-5], tiles=op.tiles)
 
 
-@pytest.mark.parametrize("t,k,e", [(1, 1, 1), (13, 3, 5), (16, 8, 128), (7, 4, 100), (300, 8, 96), (33, 6, 7)])
+@pytest.mark.parametrize(
+    "t,k,e", [(1, 1, 1), (13, 3, 5), (16, 8, 128), (7, 4, 100), (300, 8, 96), (33, 6, 7), (40, 8, 512)]
+)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int16])
 def test_route_kernel_equals_the_torch_routing(t, k, e, dtype):
     from quads_megatron.kernels import route as route_kernel

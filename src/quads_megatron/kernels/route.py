@@ -99,6 +99,8 @@ def route(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     tokens = torch.empty_like(order)
     valid = torch.empty(n, dtype=torch.int8, device=dev)
     offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    block_e = triton.next_power_of_2(max(num_experts, 2))
+    block = max(16, min(128, triton.next_power_of_2(n), 16384 // block_e))  # the one-hot chunk: <= 16K values
     if n:
         _route_kernel[(1,)](
             topk_ids.contiguous(),
@@ -110,8 +112,8 @@ def route(topk_ids: torch.Tensor, num_experts: int) -> Routing:
             n,
             num_experts,
             TOPK=topk_ids.shape[1],
-            BLOCK=min(128, triton.next_power_of_2(n)),
-            BLOCK_E=triton.next_power_of_2(max(num_experts, 2)),
+            BLOCK=block,
+            BLOCK_E=block_e,
             num_warps=4,
             **pdl.launch_options(dev),
         )
