@@ -22,13 +22,17 @@ def output_logprobs(meta: dict) -> list[float]:
     return [float(e[0]) for e in meta["output_token_logprobs"]]
 
 
-def input_logprobs(meta: dict, seq: list[int]) -> list[float]:
+def input_logprobs(meta: dict, seq: list[int], vocab_size: int | None = None) -> list[float]:
     """log p(seq[t] | seq[:t]) for t = 1 .. len(seq)-1 from a response to seq asked with
     logprob_start_len=0: the run of entries whose token ids are seq[1:] (entries may carry one more
     at either end: the first token's None logprob, or the first generated token); ValueError when no
-    run of entries matches, naming the first differing position of the best-aligned run."""
+    run of entries matches, naming the first differing position of the best-aligned run.
+
+    vocab_size: SGLang (0.5.17 .. 0.5.23, scheduler's logprob result processor) reports input ids >=
+    vocab_size - 1 as 0 (meant for multimodal placeholder hashes); the logprob is still the real token's,
+    so with vocab_size given those ids are matched as 0."""
     entries = meta["input_token_logprobs"]
-    want = list(seq[1:])
+    want = [t if vocab_size is None or t < vocab_size - 1 else 0 for t in seq[1:]]
     if len(entries) < len(want):
         raise ValueError(f"{len(entries)} input logprobs for a sequence of {len(seq)} tokens")
     ids = [int(e[1]) for e in entries]
@@ -79,15 +83,10 @@ def allow_untested_sglang() -> str | None:
         return f"{ALLOW_UNTESTED_ENV}=1 set: {e}"
 
 
-def forced_logprobs(engine, seq: list[int], index: int) -> list[float]:
-    """Input logprobs of one forced sequence, asked alone. Asked as a batch of 16 (SGLang 0.5.17, H100,
-    2026-12-05), a response carried id 0 at position 24 of 40 instead of the sequence's token, so that
-    entry is another token's logprob; SGLang fills input-logprob ids past a split extend with 0. Whether
-    batching caused the split is not established: one request of 40 tokens leaves nothing to split."""
-    one = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
-    res = engine.generate(input_ids=seq, sampling_params=one, return_logprob=True, logprob_start_len=0)
+def forced_logprobs(meta: dict, seq: list[int], index: int, vocab_size: int | None) -> list[float]:
+    """input_logprobs of the index-th forced sequence, its index named in the error."""
     try:
-        return input_logprobs(res["meta_info"], seq)
+        return input_logprobs(meta, seq, vocab_size)
     except ValueError as e:
         raise ValueError(f"forced sequence {index}: {e}") from None
 
@@ -104,7 +103,12 @@ def run(spec: dict) -> dict:
         res = engine.generate(input_ids=spec["prompts"], sampling_params=greedy, return_logprob=True)
         out["greedy"] = [r["output_ids"] for r in res]
         out["greedy_logprobs"] = [output_logprobs(r["meta_info"]) for r in res]
-        out["forced_logprobs"] = [forced_logprobs(engine, s, i) for i, s in enumerate(spec["forced"])]
+        one = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+        res = engine.generate(input_ids=spec["forced"], sampling_params=one, return_logprob=True, logprob_start_len=0)
+        out["forced_logprobs"] = [
+            forced_logprobs(r["meta_info"], s, i, spec.get("vocab_size"))
+            for i, (r, s) in enumerate(zip(res, spec["forced"], strict=True))
+        ]
         out["single"] = engine.generate(input_ids=spec["prompts"][0], sampling_params=greedy)["output_ids"]
         out["graph"] = graph_evidence(engine.get_server_info())
         out["seconds"] = time.time() - t0

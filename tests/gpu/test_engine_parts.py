@@ -125,6 +125,11 @@ def test_worker_parses_responses():
     assert ew.input_logprobs(extra, seq) == [-1.0, -2.0, -0.5]
     with pytest.raises(ValueError, match="do not contain the sequence.* position 1: \\[7, 8\\] vs \\[9, 8\\]"):
         ew.input_logprobs(meta, [5, 6, 9, 8])
+    # SGLang reports the last vocabulary id as 0 (its logprob is the real token's)
+    relabelled = {"input_token_logprobs": [(None, 5, None), (-1.0, 0, None), (-2.0, 2, None), (-0.5, 3, None)]}
+    assert ew.input_logprobs(relabelled, [5, 6, 2, 3], vocab_size=7) == [-1.0, -2.0, -0.5]
+    with pytest.raises(ValueError, match="do not contain"):
+        ew.input_logprobs(relabelled, [5, 6, 2, 3])
     with pytest.raises(ValueError, match="input logprobs for a sequence"):
         ew.input_logprobs({"input_token_logprobs": [(-1.0, 8, None)]}, seq)
     assert ew.output_logprobs({"output_token_logprobs": [[-0.25, 3, None]]}) == [-0.25]

@@ -234,6 +234,7 @@ class Engines:
             "prompts": self.ref.prompts.tolist(),
             "forced": self.ref.forced.tolist(),
             "new_tokens": NEW,
+            "vocab_size": CFG["vocab_size"],
         }
         spec_path, out_path, log_path = (self.root / f"engine_{mode}.{s}" for s in ("spec.json", "out.json", "log"))
         spec_path.write_text(json.dumps(spec))
