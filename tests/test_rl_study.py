@@ -249,3 +249,15 @@ def test_stages_in_worker_processes(tmp_path, capsys):
         assert "Traceback" in err["traceback"] and err["error"], err
     assert any(line.startswith("naive: FAILED: ") for line in lines), lines
     assert "  ! " in capsys.readouterr().out  # the traceback's tail is in the piece's own output
+
+
+def test_a_worker_killed_by_sglang_points_at_the_schedulers_traceback():
+    from quads_megatron.rl.study import worker_failure
+
+    log = "[  1.0s] step 3\n" + "x" * 7000 + "\nERROR Scheduler hit an exception: Traceback ...\nValueError: refused\n"
+    rec = worker_failure(-9, log)
+    assert "scheduler failed first" in rec["error"] and rec["traceback"].startswith("Scheduler hit an exception")
+    assert "ValueError: refused" in rec["traceback"]
+    plain = worker_failure(1, "a" * 7000 + "end")
+    assert plain["error"] == "worker exited with 1"
+    assert plain["traceback"].endswith("end") and len(plain["traceback"]) == 6000

@@ -302,6 +302,18 @@ def stop_group(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def worker_failure(returncode: int, log_text: str) -> dict:
+    """error.json of a worker that died without writing one. A failure inside SGLang's scheduler (e.g. a
+    refused weight update) kills the whole worker tree first; its traceback is then in the log."""
+    at = log_text.rfind("Scheduler hit an exception")
+    if at >= 0:
+        return {
+            "error": f"worker exited with {returncode}; SGLang's scheduler failed first (its traceback below)",
+            "traceback": log_text[at : at + 6000],
+        }
+    return {"error": f"worker exited with {returncode}", "traceback": log_text[-6000:]}
+
+
 def run_in_worker(rd: RunDir, stage: str, budget: Budget, log: Log) -> None:
     """The stage in a worker process (own process group, killed as a group past the deadline + grace)."""
     os.makedirs(rd.path("logs"), exist_ok=True)
@@ -338,7 +350,7 @@ def run_in_worker(rd: RunDir, stage: str, budget: Budget, log: Log) -> None:
             print(f"  | {line}", flush=True)
     err = os.path.join(rd.stage_dir(stage), "error.json")
     if proc.returncode != 0 and not os.path.exists(err):
-        write_json(err, {"error": f"worker exited with {proc.returncode}", "traceback": text[-6000:]})
+        write_json(err, worker_failure(proc.returncode, text))
     if os.path.exists(err):  # what went wrong, in the piece's own output
         rec = read_json(err)
         log(f"{stage}: FAILED: {rec.get('error')} (log: {log_path})")
