@@ -1,4 +1,4 @@
-"""Device probe: grouped W4A4 GEMM tiles (BM, BN, BK, warps, stages) on the Qwen3-30B-A3B fc1 shape,
+"""Device probe: grouped W4A4 GEMM tiles (BM, BN, BK, warps, stages) on the Qwen3-30B-A3B fc1 (or fc2) shape,
 per token count; prints the best tiles, the shipped default (configs/triton_gemm.json), and a GPU check
 that the PTX decode and the integer-op decode give the same output bits on every probed tile.
 
@@ -53,11 +53,15 @@ def main() -> None:
     ap.add_argument("--tokens", default="16,64,256,1024,4096,16384")
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--write-config", action="store_true", help="write the winners into configs/triton_gemm.json")
+    ap.add_argument("--gemm", choices=("fc1", "fc2"), default="fc1", help="fc2: N=hidden, K=inter (printed only)")
     args = ap.parse_args()
+    if args.write_config and args.gemm != "fc1":
+        ap.error("--write-config: the data file's rules are fc1's (rows only); read fc2's sweep and edit by hand")
+    n_out, k_in = (2 * INTER, HIDDEN) if args.gemm == "fc1" else (HIDDEN, INTER)
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
     print("ptx decode exact (all codes x scales):", check_tile_decode("cuda", use_asm=True), flush=True)
-    w = torch.randn(E, 2 * INTER, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+    w = torch.randn(E, n_out, k_in, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
     wc, wsc, wsd = gemm_triton.stack_expert_weights([nvfp4.quantize(w[e]) for e in range(E)])
     del w
     same_bits = True
@@ -67,8 +71,8 @@ def main() -> None:
         offs = torch.cumsum(torch.bincount(ids, minlength=E), 0).to(torch.int32)
         rows = int(offs[-1])
         x = (
-            torch.randn(rows, HIDDEN, generator=g, device="cuda")
-            * torch.exp(torch.randn(HIDDEN, generator=g, device="cuda"))
+            torch.randn(rows, k_in, generator=g, device="cuda")
+            * torch.exp(torch.randn(k_in, generator=g, device="cuda"))
         ).bfloat16()
         op = act_quant.activation_operand(x)
         rule = tile_configs.match_rule("triton_gemm", "cuda", rows=rows)[0]
@@ -91,7 +95,7 @@ def main() -> None:
                 runs.append((rule, rows, kw, us * 1e3))
             except Exception as e:  # out of shared memory / registers: report and go on
                 print(f"tokens {tokens} tile {kw} failed: {repr(e)[:120]}", flush=True)
-        d = tile_configs.triton_gemm_config(rows, HIDDEN, "cuda")
+        d = tile_configs.triton_gemm_config(rows, k_in, "cuda")
         dk = (d.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages)
         default = [r for r in res if r[1:] == dk]
         best = sorted(res)[:6]
