@@ -69,6 +69,25 @@ def init_megatron(seed: int = 1234) -> None:
 # ----------------------------------------------------------------------------- one MoE layer
 
 
+def _swiglu_moe_args(dtype: torch.dtype) -> dict:
+    """TransformerConfig fields both configs here share: bias-free SwiGLU experts on the grouped GEMM,
+    all-to-all dispatch, no load balancing, no dropout, dtype."""
+    return dict(
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=True,
+        moe_router_load_balancing_type="none",
+        add_bias_linear=False,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        bias_activation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
+
+
 def moe_layer_config(
     experts: int = 8,
     hidden: int = 256,
@@ -90,18 +109,7 @@ def moe_layer_config(
         num_moe_experts=experts,
         moe_router_topk=topk,
         moe_shared_expert_intermediate_size=shared_ffn,
-        moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=True,
-        moe_router_load_balancing_type="none",
-        add_bias_linear=False,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        bias_activation_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        **_swiglu_moe_args(dtype),
     )
     args.update(kw)
     return TransformerConfig(**args)
@@ -164,25 +172,14 @@ def qwen3_transformer_config(hf: Mapping, dtype: torch.dtype = torch.bfloat16, *
         moe_router_score_function="softmax",
         moe_router_pre_softmax=False,
         moe_router_topk_scaling_factor=None,
-        moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=True,
         normalization="RMSNorm",
         layernorm_epsilon=float(hf["rms_norm_eps"]),
         qk_layernorm=True,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
         add_qkv_bias=False,
-        bias_activation_fusion=False,
         apply_rope_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=False,  # every weight is loaded from the HF checkpoint
+        **_swiglu_moe_args(dtype),
     )
     args.update(kw)
     return TransformerConfig(**args)
