@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import bench_moe_block as bmb  # noqa: E402
 
-from quads_megatron.kernels import act_quant, route  # noqa: E402
 from quads_megatron.kernels import combine as combine_kernel  # noqa: E402
+from quads_megatron.kernels import route  # noqa: E402
 from quads_megatron.rollout import moe_block as moe  # noqa: E402
 
 PIECES = ("route", "fc1_quant", "fc1", "fc2_quant", "fc2", "combine")
@@ -44,10 +44,7 @@ def pieces(t: dict, weights: moe.ExpertWeights, rac: moe.LayerRAC) -> dict:
     r = route.route(ids, weights.num_experts)
 
     def op1():
-        return act_quant.activation_operand(
-            x, rac.fc1.plan, None, block_mask=rac.fc1.mask, dynamic_channels=rac.fc1.dynamic_channels,
-            order=order_kind, check=False, row_tiles=(r.offs, bt1, rows),
-        )  # fmt: skip
+        return moe._gemm_operand(x, rac.fc1, None, order_kind, None, check=False, row_tiles=(r.offs, bt1, rows))
 
     a1 = op1()
     w13 = (weights.w13_codes, weights.w13_scales, weights.w13_sdec)
@@ -60,10 +57,9 @@ def pieces(t: dict, weights: moe.ExpertWeights, rac: moe.LayerRAC) -> dict:
     tiles2 = None if bt2 == bt1 else (r.offs, bt2, rows)
 
     def op2():
-        return act_quant.activation_operand(
-            y1, rac.fc2.plan, None, block_mask=rac.fc2.mask, dynamic_channels=rac.fc2.dynamic_channels,
-            order=order_kind, check=False, gated=True, row_valid=r.valid, row_tiles=tiles2,
-        )  # fmt: skip
+        return moe._gemm_operand(
+            y1, rac.fc2, None, order_kind, None, check=False, gated=True, row_valid=r.valid, row_tiles=tiles2
+        )
 
     a2 = op2()
 

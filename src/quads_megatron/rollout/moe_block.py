@@ -259,30 +259,34 @@ def _expert_gemm(op, offs, codes, scales, sdec, out_dtype, config, a_rows=None, 
     )
 
 
+def _gemm_operand(a, g: GemmRAC, amax, order: str, recipe, **kw):
+    """The activation operand of one expert GEMM (act_quant.activation_operand) with g's RAC selection."""
+    from quads_megatron.kernels import act_quant
+
+    return act_quant.activation_operand(
+        a, g.plan, amax, block_mask=g.mask, dynamic_channels=g.dynamic_channels, order=order, recipe=recipe, **kw
+    )
+
+
 def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, wgmma, recipe):
     """fc1 reads the per-token operand through the grouped rows' token index (no gathered copy);
     SiLU(gate) * up and the foreign-row mask are fused into fc2's activation quantization. fc1's
     quantization launch also writes the GEMMs' row-tile table, shared by fc2 where its tiles are as
     tall (no launch of its own). wgmma: operands in the Gluon kernel's order, GEMMs on it."""
-    from quads_megatron.kernels import act_quant
-
     g1, g2 = rac.fc1, rac.fc2
     order = "wgmma" if wgmma else "pairs"
     rows, h, i = tokens.numel(), weights.hidden, weights.intermediate
     cfg1, bt1 = _gemm_config(rows, 2 * i, h, wgmma, x.dtype, x.device)
     cfg2, bt2 = _gemm_config(rows, h, i, wgmma, x.dtype, x.device)
 
-    def operand(a, g, amax, **kw):
-        return act_quant.activation_operand(
-            a, g.plan, amax, block_mask=g.mask, dynamic_channels=g.dynamic_channels, order=order, recipe=recipe, **kw
-        )
-
-    op = operand(x, g1, static_amax[0], check=check, row_tiles=(offs, bt1, rows))  # once per token
+    op = _gemm_operand(x, g1, static_amax[0], order, recipe, check=check, row_tiles=(offs, bt1, rows))  # per token
     w13 = (weights.w13_codes, weights.w13_scales, weights.w13_sdec)
     y1 = _expert_gemm(op, offs, *w13, x.dtype, cfg1, a_rows=tokens, tiles=op.tiles)
     # of gated_activation(y1), zero on foreign rows; finite by construction
     row_tiles2 = None if bt2 == bt1 else (offs, bt2, rows)
-    op2 = operand(y1, g2, static_amax[1], check=False, gated=True, row_valid=valid, row_tiles=row_tiles2)
+    op2 = _gemm_operand(
+        y1, g2, static_amax[1], order, recipe, check=False, gated=True, row_valid=valid, row_tiles=row_tiles2
+    )
     tiles2 = op.tiles if bt2 == bt1 else op2.tiles
     w2 = (weights.w2_codes, weights.w2_scales, weights.w2_sdec)
     return _expert_gemm(op2, offs, *w2, x.dtype, cfg2, tiles=tiles2)
