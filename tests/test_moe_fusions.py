@@ -167,7 +167,7 @@ def test_grouped_gemm_takes_row_tiles_made_beforehand():
 
 
 @pytest.mark.parametrize(
-    "t,k,e", [(1, 1, 1), (13, 3, 5), (16, 8, 128), (7, 4, 100), (300, 8, 96), (33, 6, 7), (40, 8, 512)]
+    "t,k,e", [(1, 1, 1), (13, 3, 5), (16, 8, 128), (7, 4, 100), (300, 8, 96), (33, 6, 7), (40, 8, 512), (1024, 8, 128)]
 )
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int16])
 def test_route_kernel_equals_the_torch_routing(t, k, e, dtype):
