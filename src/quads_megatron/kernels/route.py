@@ -39,6 +39,13 @@ class Routing:
 
 
 @triton.jit
+def _keys(ids_ptr, i, N, E):
+    """Sort keys of pairs i: the expert for local ids, E for foreign ones, E + 1 past the last pair."""
+    ids = tl.load(ids_ptr + i, mask=i < N, other=-1)
+    return tl.where(i < N, tl.where((ids >= 0) & (ids < E), ids, E), E + 1)
+
+
+@triton.jit
 def _route_kernel(
     ids_ptr,
     order_ptr,
@@ -58,16 +65,12 @@ def _route_kernel(
     before = tl.zeros((), tl.int32)
     for c in range(0, N, BLOCK):  # pass 1: pairs of earlier keys (local experts < e)
         i = c + tl.arange(0, BLOCK)
-        ids = tl.load(ids_ptr + i, mask=i < N, other=-1)
-        key = tl.where((ids >= 0) & (ids < E), ids, E)
-        before += tl.sum(((i < N) & (key < e)).to(tl.int32), 0)
+        before += tl.sum((_keys(ids_ptr, i, N, E) < e).to(tl.int32), 0)
     row = before  # next free grouped row of key e
     for c in range(0, N, BLOCK):  # pass 2: this key's pairs in slot order
         i = c + tl.arange(0, BLOCK)
-        m = i < N
-        ids = tl.load(ids_ptr + i, mask=m, other=-1)
-        key = tl.where((ids >= 0) & (ids < E), ids, E)
-        mine = m & (key == e)
+        key = _keys(ids_ptr, i, N, E)
+        mine = key == e
         one = mine.to(tl.int32)
         p = row + tl.cumsum(one, 0) - one
         tl.store(pos_ptr + i, p.to(tl.int64), mask=mine)
