@@ -22,17 +22,22 @@ def output_logprobs(meta: dict) -> list[float]:
     return [float(e[0]) for e in meta["output_token_logprobs"]]
 
 
+def reported_ids(ids: list[int], vocab_size: int | None) -> list[int]:
+    """ids as SGLang (0.5.17 .. 0.5.23, scheduler's logprob result processor) labels input logprobs: ids >=
+    vocab_size - 1 as 0 (meant for multimodal placeholder hashes; the logprob is still the real token's).
+    vocab_size None: ids unchanged."""
+    return [t if vocab_size is None or t < vocab_size - 1 else 0 for t in ids]
+
+
 def input_logprobs(meta: dict, seq: list[int], vocab_size: int | None = None) -> list[float]:
     """log p(seq[t] | seq[:t]) for t = 1 .. len(seq)-1 from a response to seq asked with
     logprob_start_len=0: the run of entries whose token ids are seq[1:] (entries may carry one more
     at either end: the first token's None logprob, or the first generated token); ValueError when no
     run of entries matches, naming the first differing position of the best-aligned run.
 
-    vocab_size: SGLang (0.5.17 .. 0.5.23, scheduler's logprob result processor) reports input ids >=
-    vocab_size - 1 as 0 (meant for multimodal placeholder hashes); the logprob is still the real token's,
-    so with vocab_size given those ids are matched as 0."""
+    vocab_size: ids matched as SGLang labels them (reported_ids)."""
     entries = meta["input_token_logprobs"]
-    want = [t if vocab_size is None or t < vocab_size - 1 else 0 for t in seq[1:]]
+    want = reported_ids(seq[1:], vocab_size)
     if len(entries) < len(want):
         raise ValueError(f"{len(entries)} input logprobs for a sequence of {len(seq)} tokens")
     ids = [int(e[1]) for e in entries]

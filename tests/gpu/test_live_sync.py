@@ -21,6 +21,7 @@ import os
 import sys
 import time
 
+import engine_worker as ew
 import pytest
 import torch
 from megatron_model import (
@@ -307,7 +308,7 @@ def engine_logprobs(engine, ids: list[int], vocab: int) -> torch.Tensor:
     )
     entries = out["meta_info"]["input_token_logprobs"]
     assert len(entries) == len(ids), f"{len(entries)} input logprobs for {len(ids)} tokens"
-    want = [t if t < vocab - 1 else 0 for t in ids]  # SGLang reports the last vocabulary id as 0 here
+    want = ew.reported_ids(ids, vocab)
     assert [int(e[1]) for e in entries] == want, "input logprobs are not aligned with the input ids"
     return torch.tensor([float(e[0]) for e in entries[1:]], dtype=torch.float32)
 
