@@ -1,26 +1,25 @@
 #!/usr/bin/env bash
 # On the GPU machine, after the staging calls: install TE 2.20.2 + megatron-core 0.19.2, SGLang 0.5.17 and
 # this project (as a wheel) into one site folder, /tmp/site. Idempotent; writes /tmp/quads_env.sh.
-# QUADS_STACK=sglang: SGLang and the project only (staged: b/ then a/ + proj/; no TE core, two calls).
+# QUADS_STACK=sglang: SGLang and the project only, from one carry (sg: a/ + b/ + proj/, no staging call).
+# Each stack is installed once (a marker file per stack); a later full install adds TE to an SGLang-only one.
 set -euo pipefail
 S=/tmp/qstage SITE=/tmp/site
 [ -d "${1:-}" ] && cp -a "$1"/. "$S"/   # the last carry (s5) is installed straight from the checkout
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$@"; }
 STACK=${QUADS_STACK:-all}
-if [ "$STACK" = sglang ] && [ ! -f "$SITE/.quads_installed" ]; then
-  pipi "$S"/a/*.whl
-  pipi "$S"/b/*.whl
-  rm -rf "$SITE/IPython" && cp -r "$S/a/IPython_stub" "$SITE/IPython"
-  touch "$SITE/.quads_installed"
-elif [ ! -f "$SITE/.quads_installed" ]; then
+if [ "$STACK" != sglang ] && [ ! -f "$SITE/.te_installed" ]; then
   core=/tmp/te_core/transformer_engine_cu13-2.20.2-py3-none-manylinux_2_28_x86_64.whl
   mkdir -p /tmp/te_core && cat "$S"/te_core.part{0,1,2,3,4} > "$core"
   echo "30063d3699e779cce63617c3458804f7a504ce8279f2749c98313db9daae273e  $core" | sha256sum -c --quiet
   pipi "$core" "$S"/te/*.whl
+  touch "$SITE/.te_installed"
+fi
+if [ ! -f "$SITE/.sglang_installed" ]; then
   pipi "$S"/a/*.whl
   pipi "$S"/b/*.whl
   rm -rf "$SITE/IPython" && cp -r "$S/a/IPython_stub" "$SITE/IPython"
-  touch "$SITE/.quads_installed"
+  touch "$SITE/.sglang_installed"
 fi
 pipi "$S"/proj/*.whl   # always: the project may change between calls
 cat > /tmp/quads_env.sh <<ENV

@@ -3,6 +3,9 @@
 #   s0..s3: Transformer Engine's core wheel, parts 0-3 (fetch_te_core.sh output, 60 MiB each)
 #   s4:     core part 4 + TE's Python wheels + megatron-core 0.19.2 + SGLang set b (flashinfer)
 #   s5:     SGLang set a (sglang 0.5.17, sglang-kernel, transformers 5.12.1, ...) + this project as a wheel
+#   sg:     SGLang sets a (without soundfile and its cffi: audio only, imported lazily) and b + the project: the
+#           SGLang-only stack in one call (QUADS_STACK=sglang); s4 also holds the project, so after it
+#           s0..s3 + s4 add TE to that stack (install.sh .dev/carry/s4)
 # Inputs: .dev/te/p0..p4 (../shared/device/fetch_te_core.sh .dev/te), .dev/sgl/{a,b}
 # (../shared/device/build_sglang_wheels.sh .dev/sgl), the TE wheel folder (TE_WHEELS, default ../shared/device/te-2.20.2).
 set -euo pipefail
@@ -19,5 +22,9 @@ cp .dev/sgl/b/*.whl "$C/s4/b/"
 mkdir -p "$C/s5/a" "$C/s5/proj"
 cp -r .dev/sgl/a/. "$C/s5/a/"
 python3 -m pip wheel -q --no-deps -w "$C/s5/proj" . 2>&1 | grep -v "^WARNING: Location" || true
+mkdir -p "$C/sg/a" "$C/sg/b" "$C/s4/proj"
+cp -r .dev/sgl/a/. "$C/sg/a/" && rm -f "$C"/sg/a/{soundfile,cffi,pycparser}-*.whl
+cp .dev/sgl/b/*.whl "$C/sg/b/"
+cp -r "$C/s5/proj" "$C/sg/" && cp "$C"/s5/proj/*.whl "$C/s4/proj/"
 du -sh "$C"/s*
 echo "each carry + the working tree must stay under 64 MiB: $(git ls-files -z | du -ch --files0-from=- | tail -1)"
