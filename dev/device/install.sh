@@ -5,7 +5,7 @@
 # Each stack is installed once (a marker file per stack); a later full install adds TE to an SGLang-only one.
 set -euo pipefail
 S=/tmp/qstage SITE=/tmp/site
-[ -d "${1:-}" ] && cp -a "$1"/. "$S"/   # the last carry (s5) is installed straight from the checkout
+[ -d "${1:-}" ] && cp -a "$1"/. "$S"/   # the last carry (s5, sg or s4) is installed straight from the checkout
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$@"; }
 STACK=${QUADS_STACK:-all}
 if [ "$STACK" != sglang ] && [ ! -f "$SITE/.te_installed" ]; then
