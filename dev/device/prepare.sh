@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Run HERE (a machine with a registry): lay out the carries for the GPU machine under .dev/carry/.
 #   s0..s3: Transformer Engine's core wheel, parts 0-3 (fetch_te_core.sh output, 60 MiB each)
-#   s4:     core part 4 + TE's Python wheels + megatron-core 0.19.2 + SGLang set b (flashinfer)
+#   s4:     core part 4 + TE's Python wheels + megatron-core 0.19.2 + SGLang set b (flashinfer) + the project
 #   s5:     SGLang set a (sglang 0.5.17, sglang-kernel, transformers 5.12.1, ...) + this project as a wheel
 #   sg:     SGLang sets a (without soundfile and its cffi: audio only, imported lazily) and b + the project: the
-#           SGLang-only stack in one call (QUADS_STACK=sglang); s4 also holds the project, so after it
-#           s0..s3 + s4 add TE to that stack (install.sh .dev/carry/s4)
+#           SGLang-only stack in one call (QUADS_STACK=sglang); after it, s0..s3 staged + s4 installed add TE
+#           to that stack (install.sh .dev/carry/s4)
 # Inputs: .dev/te/p0..p4 (../shared/device/fetch_te_core.sh .dev/te), .dev/sgl/{a,b}
 # (../shared/device/build_sglang_wheels.sh .dev/sgl), the TE wheel folder (TE_WHEELS, default ../shared/device/te-2.20.2).
 set -euo pipefail
