@@ -138,11 +138,13 @@ def layer_rac(quads: dict, layer: int, hidden: int, inter: int) -> tuple[moe_blo
 # ----------------------------------------------------------------------------- the model
 
 
-def load_model(path: str, device: str):
-    """The HF bf16 checkpoint as a transformers Qwen3MoeForCausalLM in eval mode on device."""
+def load_model(path: str, device: str, attention: str = "sdpa"):
+    """The HF bf16 checkpoint as a transformers Qwen3MoeForCausalLM in eval mode on device. attention:
+    transformers' attn_implementation ("eager" gives the same math with other roundings: the perturbed
+    reference that measures how much a mode amplifies non-expert numeric differences)."""
     from transformers import Qwen3MoeForCausalLM
 
-    model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=attention)
     return model.to(device).eval()
 
 

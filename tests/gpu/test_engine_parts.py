@@ -95,6 +95,27 @@ def test_w4a4_reference_modes_differ_and_stay_finite(tiny):
                 assert er.gap(lps[a], lps[b])["mean"] > 0, (a, b)
 
 
+def test_quantized_modes_amplify_a_non_expert_perturbation(tiny):
+    """Why the engine test measures a floor per mode: eager instead of SDPA attention (same math, other
+    roundings) moves NVFP4 logprobs several times more than bf16 ones (2026-12-05: ~10x here)."""
+    seqs, paths = tiny["seqs"], tiny["paths"]
+    floors = {}
+    for mode in ("bf16", "dynamic", "off"):
+        lps = []
+        for attention in ("sdpa", "eager"):
+            model = er.load_model(paths["bf16"], "cpu", attention=attention)
+            experts = (
+                er.Bf16Experts(model)
+                if mode == "bf16"
+                else er.W4A4Experts(paths[mode], CFG["num_hidden_layers"], CFG["num_experts"], "cpu")
+            )
+            er.patch_moe(model, experts)
+            lps.append(er.token_logprobs(model, seqs))
+        floors[mode] = er.gap(*lps)["mean"]
+    assert floors["bf16"] > 0, floors
+    assert floors["dynamic"] > 3 * floors["bf16"] and floors["off"] > 3 * floors["bf16"], floors
+
+
 def test_greedy_tokens_are_the_argmax_of_a_full_forward(tiny):
     """In fp32 (bf16 sums differ with the sequence length, enough to flip a near-tie or a routing choice)."""
     model = copy.deepcopy(tiny["model"]).float()

@@ -9,11 +9,15 @@ before the next starts. The torch reference of the same math (engine_ref.py) is 
 Qwen3MoeForCausalLM on the GPU with moe_w4a4(impl="reference") on the converted tensors.
 
 Tolerance: logprobs of a forced sequence (prompt + the bf16 reference's greedy continuation) are
-compared position by position. Engine and reference differ in attention, norm and GEMM kernels, so a
-fixed bound would be arbitrary; the bound is half the distance between the reference's own modes (the
-smallest change of the math this test must tell apart: RAC on/off, static/dynamic, bf16), and the bf16
-engine against the bf16 reference (kernel differences alone) must meet the same rule. The engine in
-each mode must also be closer to that mode's reference than to any other mode's.
+compared position by position. Engine and reference differ in attention, norm and GEMM kernels, and
+rounding activations to 4 bits amplifies such differences (2026-12-05: the same change of attention
+kernel moves bf16 logprobs by ~0.045 and NVFP4 ones by ~0.13-0.19). So each mode's floor is measured:
+the gap between its reference and the same reference with transformers' eager attention instead of SDPA.
+The bf16 engine must stay within half the distance between the reference's own modes (the smallest
+change of the math this test must tell apart); its gap over the bf16 floor is the engine's kernel
+difference in units of that perturbation (k, at least 1). A quantized engine must stay within
+MARGIN * k * floor of its mode, and be closer to its mode's reference than to any other mode's. What
+logprobs cannot resolve, the kernels' bit-exactness against the reference, is tested by test_gpu_cuda.py.
 
 Run on the H200 (about 4-5 minutes; 5 engine starts): TRITON_INTERPRET=0 pytest -s -rA tests/gpu/test_sglang_engine.py
 (OUT=<dir> also writes sglang_engine.json there). Skips without CUDA, SGLang or transformers.
@@ -52,6 +56,8 @@ BATCH, PROMPT, NEW = 16, 16, 24
 ENGINE_TIMEOUT_S, SERVER_TIMEOUT_S = 300, 300
 PREFILL_GRAPH_TOKENS = 1024  # prefill graphs up to the forced batch's 640 tokens: fewer captures at start
 LOADER = "quads_megatron.integrations.sglang.load_weights"
+#: a quantized engine's gap to its reference may exceed the expected floor (k * its mode's floor) by this
+MARGIN = 1.5
 REPORT: dict = {}
 #: engine and server processes running now (each the leader of a new process group: stopped as a group)
 LIVE: set[subprocess.Popen] = set()
@@ -164,15 +170,19 @@ def ckpts(root) -> dict[str, str]:
 
 class Reference:
     """HF transformers on the GPU: bf16 greedy continuations (the forced sequences), calibration and the
-    static checkpoint, and greedy tokens / forced logprobs per mode (cached)."""
+    static checkpoint, greedy tokens / forced logprobs per mode (cached), and per mode the forced logprobs
+    of the perturbed reference (eager attention) that give the mode's floor."""
 
     def __init__(self, root: Path, ckpts: dict[str, str]) -> None:
         self.ckpts = ckpts
         self.model = er.load_model(ckpts["bf16"], "cuda")
+        self.perturbed = er.load_model(ckpts["bf16"], "cuda", attention="eager")
         g = torch.Generator().manual_seed(1234)
         self.prompts = torch.randint(0, CFG["vocab_size"], (BATCH, PROMPT), generator=g).cuda()
         self.results: dict[str, dict] = {}
-        er.patch_moe(self.model, er.Bf16Experts(self.model))
+        self.perturbed_logprobs: dict[str, torch.Tensor] = {}
+        for model in (self.model, self.perturbed):
+            er.patch_moe(model, er.Bf16Experts(model))
         cont = er.greedy(self.model, self.prompts, NEW)
         self.forced = torch.cat([self.prompts, cont], dim=1)
         self.results["bf16"] = {"greedy": cont.cpu(), "logprobs": er.token_logprobs(self.model, self.forced).cpu()}
@@ -181,11 +191,14 @@ class Reference:
         ckpts["static"] = str(root / "static")
         er.convert(ckpts["bf16"], ckpts["static"], "static", calib)
 
+    def _experts(self, model, mode: str):
+        if mode == "bf16":
+            return er.Bf16Experts(model)
+        return er.W4A4Experts(self.ckpts[mode], CFG["num_hidden_layers"], CFG["num_experts"], "cuda")
+
     def mode(self, mode: str) -> dict:
         if mode not in self.results:
-            er.patch_moe(
-                self.model, er.W4A4Experts(self.ckpts[mode], CFG["num_hidden_layers"], CFG["num_experts"], "cuda")
-            )
+            er.patch_moe(self.model, self._experts(self.model, mode))
             try:
                 self.results[mode] = {
                     "greedy": er.greedy(self.model, self.prompts, NEW).cpu(),
@@ -194,6 +207,16 @@ class Reference:
             finally:
                 er.patch_moe(self.model, er.Bf16Experts(self.model))
         return self.results[mode]
+
+    def floor(self, mode: str) -> float:
+        """Mean logprob gap between this mode's reference and the same mode with eager attention."""
+        if mode not in self.perturbed_logprobs:
+            er.patch_moe(self.perturbed, self._experts(self.perturbed, mode))
+            try:
+                self.perturbed_logprobs[mode] = er.token_logprobs(self.perturbed, self.forced).cpu()
+            finally:
+                er.patch_moe(self.perturbed, er.Bf16Experts(self.perturbed))
+        return er.gap(self.mode(mode)["logprobs"], self.perturbed_logprobs[mode])["mean"]
 
     def separation(self, mode: str) -> float:
         """Mean logprob gap from this mode's reference to the nearest other mode's (bf16 included)."""
@@ -284,6 +307,13 @@ def check_engine_output(res: dict) -> None:
     assert ew.decode_graph_captured(res["graph"]), f"no decode CUDA graph captured: {res['graph']}"
 
 
+def kernel_difference(engines, ref) -> float:
+    """k: the bf16 engine's gap to the bf16 reference over the bf16 floor, at least 1 (the engine's
+    non-expert kernels differ from transformers' by k times what eager vs SDPA attention changes)."""
+    gap = er.gap(engines.get("bf16")["forced_logprobs"], ref.mode("bf16")["logprobs"])["mean"]
+    return max(1.0, gap / ref.floor("bf16"))
+
+
 def test_bf16_engine_matches_bf16_reference(engines, ref):
     """The floor: kernel differences alone (SGLang's attention, norms and fused MoE vs transformers)."""
     with step("bf16 engine vs bf16 reference") as d:
@@ -291,6 +321,7 @@ def test_bf16_engine_matches_bf16_reference(engines, ref):
         check_engine_output(res)
         gap = er.gap(res["forced_logprobs"], ref.mode("bf16")["logprobs"])
         d.update(gap=gap, greedy=er.agreement(res["greedy"], ref.mode("bf16")["greedy"]), startup_s=res["startup_s"])
+        d.update(floor=ref.floor("bf16"), k=kernel_difference(engines, ref))
         d["tolerance"] = 0.5 * ref.separation("bf16")
         assert gap["mean"] <= d["tolerance"], d
 
@@ -309,8 +340,8 @@ def test_quads_engine_matches_reference(engines, ref, mode):
         gaps = {m: er.gap(res["forced_logprobs"], ref.mode(m)["logprobs"]) for m in ("bf16", *er.MODES)}
         d["vs_reference"] = {"logprob_gap": gaps[mode], "greedy": er.agreement(res["greedy"], ref.mode(mode)["greedy"])}
         d["gap_to_other_references"] = {m: g["mean"] for m, g in gaps.items() if m != mode}
-        d["tolerance"] = 0.5 * ref.separation(mode)
-        d["floor"] = er.gap(bf16["forced_logprobs"], ref.mode("bf16")["logprobs"])["mean"]
+        d.update(floor=ref.floor(mode), k=kernel_difference(engines, ref), separation=ref.separation(mode))
+        d["tolerance"] = MARGIN * d["k"] * d["floor"]
         d.update(startup_s=res["startup_s"], graph=res["graph"], note=res.get("note"))
         assert gaps[mode]["mean"] <= d["tolerance"], d
         nearest = min(gaps, key=lambda m: gaps[m]["mean"])
