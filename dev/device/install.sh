@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine, after the staging calls: install TE 2.20.2 + megatron-core 0.19.2, SGLang 0.5.17 and
 # this project (as a wheel) into one site folder, /tmp/site. Idempotent; writes /tmp/quads_env.sh.
-# QUADS_STACK=sglang: SGLang and the project only, from one carry (sg: a/ + b/ + proj/, no staging call).
+# QUADS_STACK=sglang: SGLang and the project only, from one carry (sg: a/ + b/ + proj/, no staging call); then
+# QUADS_STACK=sglang with the sga carry adds the audio wheels `sglang.launch_server` imports (audio/).
 # Each stack is installed once (a marker file per stack); a later full install adds TE to an SGLang-only one.
 set -euo pipefail
 S=/tmp/qstage SITE=/tmp/site
@@ -20,6 +21,10 @@ if [ ! -f "$SITE/.sglang_installed" ]; then
   pipi "$S"/b/*.whl
   rm -rf "$SITE/IPython" && cp -r "$S/a/IPython_stub" "$SITE/IPython"
   touch "$SITE/.sglang_installed"
+fi
+if [ -d "$S/audio" ] && [ ! -f "$SITE/.audio_installed" ]; then   # sga after sg: what launch_server needs
+  pipi "$S"/audio/*.whl
+  touch "$SITE/.audio_installed"
 fi
 pipi "$S"/proj/*.whl   # always: the project may change between calls
 cat > /tmp/quads_env.sh <<ENV

@@ -6,6 +6,8 @@
 #   sg:     SGLang sets a (without soundfile and its cffi: audio only, imported lazily) and b + the project: the
 #           SGLang-only stack in one call (QUADS_STACK=sglang); after it, s0..s3 staged + s4 installed add TE
 #           to that stack (install.sh .dev/carry/s4)
+#   sga:    the three audio wheels sg leaves out (soundfile, cffi, pycparser): `sglang.launch_server` imports
+#           soundfile at start, the Engine does not; install.sh .dev/carry/sga adds them to an sg stack
 # Inputs: .dev/te/p0..p4 (../shared/device/fetch_te_core.sh .dev/te), .dev/sgl/{a,b}
 # (../shared/device/build_sglang_wheels.sh .dev/sgl), the TE wheel folder (TE_WHEELS, default ../shared/device/te-2.20.2).
 set -euo pipefail
@@ -25,6 +27,7 @@ python3 -m pip wheel -q --no-deps -w "$C/s5/proj" . 2>&1 | grep -v "^WARNING: Lo
 mkdir -p "$C/sg/a" "$C/sg/b" "$C/s4/proj"
 cp -r .dev/sgl/a/. "$C/sg/a/" && rm -f "$C"/sg/a/{soundfile,cffi,pycparser}-*.whl
 cp .dev/sgl/b/*.whl "$C/sg/b/"
+mkdir -p "$C/sga/audio" && cp .dev/sgl/a/{soundfile,cffi,pycparser}-*.whl "$C/sga/audio/"
 cp -r "$C/s5/proj" "$C/sg/" && cp "$C"/s5/proj/*.whl "$C/s4/proj/"
 du -sh "$C"/s*
 echo "each carry + the working tree must stay under 64 MiB: $(git ls-files -z | du -ch --files0-from=- | tail -1)"
