@@ -19,7 +19,8 @@ difference in units of that perturbation (k, at least 1). A quantized engine mus
 MARGIN * k * floor of its mode, and be closer to its mode's reference than to any other mode's. What
 logprobs cannot resolve, the kernels' bit-exactness against the reference, is tested by test_gpu_cuda.py.
 
-Run on the H200 (about 4-5 minutes; 5 engine starts): TRITON_INTERPRET=0 pytest -s -rA tests/gpu/test_sglang_engine.py
+Run on a GPU (H100, 2026-12-05: ~7.5 min without the server test, ~4 min for it alone; 5 engine starts and a server):
+TRITON_INTERPRET=0 pytest -s -rA tests/gpu/test_sglang_engine.py
 (OUT=<dir> also writes sglang_engine.json there). Skips without CUDA, SGLang or transformers.
 """
 
