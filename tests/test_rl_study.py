@@ -236,6 +236,10 @@ def test_stages_in_worker_processes(tmp_path, capsys):
     echoed = capsys.readouterr().out
     assert "  | " in echoed and "naive: done (2 steps)" in echoed
     assert os.path.exists(rd.path("logs", "naive.log")) and len(RunDir(rd.root).done("naive")["rows"]) == 2
+    timing = rd.timing()  # what the next piece plans with: each stage's process start and stop, measured
+    assert {"sft_start_s", "start_s", "stop_s", "first_step_s"} <= set(timing), timing
+    assert all(0 < timing[k] < 120 for k in ("sft_start_s", "start_s", "stop_s")), timing
+    assert not any(os.path.exists(os.path.join(rd.stage_dir(s), "closing.json")) for s in ("sft", *spec.arms))
     # a broken SFT checkpoint: the arms fail one by one, each with its traceback, and the study says so
     rd2 = RunDir(str(tmp_path / "run2"))
     rd2.init(spec)
@@ -261,3 +265,22 @@ def test_a_worker_killed_by_sglang_points_at_the_schedulers_traceback():
     plain = worker_failure(1, "a" * 7000 + "end")
     assert plain["error"] == "worker exited with 1"
     assert plain["traceback"].endswith("end") and len(plain["traceback"]) == 6000
+
+
+def test_the_gpu_requirement_check_imports_neither_te_nor_sglang():
+    """`quads rl` decides whether it can run before any stage starts, in a process that only orchestrates: it
+    must not import Transformer Engine or SGLang (seconds of imports, a CUDA context) to do so."""
+    import subprocess
+    import sys
+
+    code = """
+import importlib.util, sys, torch
+torch.cuda.is_available = lambda: True  # a GPU machine, as far as the check can tell
+real = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: object() if name == "transformer_engine" else real(name, *a)
+from quads_megatron.rl.command import missing_for_gpu
+print(repr(missing_for_gpu()), sorted(m for m in sys.modules if m.split(".")[0] in ("sglang", "transformer_engine")))
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "None []", res.stdout  # SGLang 0.5.23 is in range; nothing was imported

@@ -24,6 +24,7 @@ from quads_megatron import nvfp4  # noqa: E402
 from quads_megatron.config import RolloutConfig  # noqa: E402
 from quads_megatron.integrations import sglang as plug  # noqa: E402
 from quads_megatron.integrations.sglang import method as plug_method  # noqa: E402
+from quads_megatron.integrations.sglang_versions import ALLOW_UNTESTED_ENV  # noqa: E402
 from quads_megatron.rollout.moe_block import moe_w4a4  # noqa: E402
 from sglang_env import (  # noqa: E402
     INTER,
@@ -62,7 +63,7 @@ def test_entry_point_registers_once_and_first(sglang_runtime):
 
 
 def test_version_guard(monkeypatch):
-    monkeypatch.delenv(plug_method.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
     for ok in ("0.5.17", "0.5.20", "0.5.23", "0.5.23.post1", "0.5.23+cu130"):
         assert plug.check_version(ok) == ok
     for bad in ("0.5.9", "0.5.16", "0.5.24", "0.6.0", "1.0.0rc1"):
@@ -73,7 +74,7 @@ def test_version_guard(monkeypatch):
     ):
         plug.check_version("0.5.16")
     assert plug.check_version() == sglang.__version__  # the installed one is in range
-    monkeypatch.setenv(plug_method.ALLOW_UNTESTED_ENV, "1")
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
     assert plug.check_version("0.6.0") == "0.6.0"
 
 

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # On the GPU machine, after install.sh: run parts of the GPU checks and benchmarks, each with its own timeout,
 # each logging to $OUT/<part>.log (at most 8 files come back per call), one summary line per part.
-#   bash dev/device/run.sh PART[:SECONDS] ...      parts: cuda te engine server sync block pieces gemm engine-bench rl
-#                                                   rl-smoke rl-test cpu
+#   bash dev/device/run.sh PART[:SECONDS] ...      parts: cuda te engine server sync block pieces gemm tiles
+#                                                   triton-tiles engine-bench rl rl-smoke rl-test cpu
+# tiles / triton-tiles sweep the Gluon / Triton GEMM's tiles on this GPU (dev/probe_*_tiles.py --write-config,
+# arguments from TILES_ARGS) and copy the rewritten configs/*.json to $OUT (commit them from there).
 # engine is the engine test without the README server command (~7.5 min), server that one alone (~4 min; needs
 # the sga carry's audio wheels). engine-bench, block and pieces take extra arguments from BENCH_ENGINE_ARGS,
 # BLOCK_ARGS and PIECES_ARGS. rl runs one resumable piece of the `quads rl` study in $RL_RUN (default
 # /tmp/rl_run; kept while the machine stays warm) with arguments from RL_ARGS, its budget SECONDS - 90; call
-# it again to resume. rl-smoke (run it as rl-smoke:240): arms bf16, naive, quads (or RL_SMOKE_ARMS) for 3
-# steps on a 2-layer model in /tmp/rl_smoke; it resumes too. Both copy the summary (rl_summary.md/.json,
+# it again to resume. rl-smoke (e.g. rl-smoke:330): the study of tests/gpu/test_rl_gpu.py (arms bf16, naive,
+# quads for 3 steps on a 2-layer model) in /tmp/rl_smoke, budget SECONDS - 60; it resumes too, and rl-test
+# then checks that directory (resuming it if needed). rl and rl-smoke copy the summary (rl_summary.md/.json,
 # plots) to $OUT.
 set -u
 . /tmp/quads_env.sh
@@ -30,15 +33,22 @@ for spec in "$@"; do
     block) timeout "$secs" python3 benchmarks/bench_moe_block.py --out "$OUT" ${BLOCK_ARGS:-} > "$log" 2>&1 ;;
     pieces) timeout "$secs" python3 dev/probe_block_pieces.py --out "$OUT" ${PIECES_ARGS:-} > "$log" 2>&1 ;;
     gemm) timeout "$secs" python3 benchmarks/bench_moe_w4a4.py --out "$OUT" > "$log" 2>&1 ;;
+    tiles) timeout "$secs" python3 dev/probe_wgmma_tiles.py --write-config --budget-s $((secs - 60)) ${TILES_ARGS:-} \
+          > "$log" 2>&1
+        rc=$?; cp src/quads_megatron/kernels/configs/wgmma_gemm.json "$OUT"/ 2>/dev/null; (exit $rc) ;;
+    triton-tiles) timeout "$secs" python3 dev/probe_gemm_tiles.py --write-config --budget-s $((secs - 60)) \
+          ${TILES_ARGS:-} > "$log" 2>&1
+        rc=$?; cp src/quads_megatron/kernels/configs/triton_gemm.json "$OUT"/ 2>/dev/null; (exit $rc) ;;
     engine-bench) timeout "$secs" python3 benchmarks/bench_engine.py --out "$OUT" ${BENCH_ENGINE_ARGS:-} > "$log" 2>&1 ;;
     rl) run=${RL_RUN:-/tmp/rl_run}
         timeout "$secs" python3 -m quads_megatron.cli rl --out "$run" --budget-s $((secs - 90)) ${RL_ARGS:-} > "$log" 2>&1
         rc=$?; cp "$run"/summary/rl_* "$OUT"/ 2>/dev/null; (exit $rc) ;;
     rl-smoke) timeout "$secs" python3 -m quads_megatron.cli rl --out /tmp/rl_smoke --model smoke \
-          --arms ${RL_SMOKE_ARMS:-main} --steps 3 --sft-steps 20 --prompts 8 --group 4 --digits 3 \
-          --budget-s $((secs - 30)) > "$log" 2>&1
+          --arms main --steps 3 --sft-steps 20 --prompts 8 --group 4 --digits 3 \
+          --budget-s $((secs - 60)) > "$log" 2>&1
         rc=$?; mkdir -p "$OUT/smoke"; cp /tmp/rl_smoke/summary/rl_summary.* "$OUT/smoke/" 2>/dev/null; (exit $rc) ;;
-    rl-test) timeout "$secs" bash -c "$(declare -f pt); pt -s tests/gpu/test_rl_gpu.py" > "$log" 2>&1 ;;
+    rl-test) QUADS_RL_RUN_DIR=/tmp/rl_smoke timeout "$secs" bash -c "$(declare -f pt); pt -s tests/gpu/test_rl_gpu.py" \
+          > "$log" 2>&1 ;;
     cpu) CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 timeout "$secs" bash -c "$(declare -f pt); pt tests --ignore=tests/gpu" > "$log" 2>&1 ;;
     *) echo "unknown part $part" > "$log"; false ;;
   esac

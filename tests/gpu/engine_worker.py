@@ -78,7 +78,7 @@ def decode_graph_captured(evidence: dict) -> bool:
 def allow_untested_sglang() -> str | None:
     """Set QUADS_ALLOW_UNTESTED_SGLANG=1 when the installed SGLang is outside the method's tested range
     (the range is being widened to the device's 0.5.17); returns a note saying so, else None."""
-    from quads_megatron.integrations.sglang.method import ALLOW_UNTESTED_ENV, QuadsSglangError, check_version
+    from quads_megatron.integrations.sglang_versions import ALLOW_UNTESTED_ENV, QuadsSglangError, check_version
 
     try:
         check_version()

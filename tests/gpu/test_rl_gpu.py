@@ -13,12 +13,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from quads_megatron.rl.command import missing_for_gpu
+from quads_megatron.rl.command import EXIT_UNFINISHED, missing_for_gpu
+
+#: the study's arguments; dev/device/run.sh's rl-smoke part runs the same (in pieces, across calls if needed)
+SMOKE_ARGS = ["--model", "smoke", "--arms", "main", "--steps", "3", "--sft-steps", "20", "--prompts", "8",
+              "--group", "4", "--digits", "3"]  # fmt: skip
+#: a run directory to resume (e.g. rl-smoke's) instead of a new one: three engine starts and the SFT may not
+#: fit one piece
+RUN_DIR_ENV = "QUADS_RL_RUN_DIR"
 
 
 def step(name: str, ok: bool, detail: str = "") -> None:
@@ -33,14 +41,14 @@ def test_tiny_study_on_the_gpu(tmp_path):
     missing = missing_for_gpu()
     if missing:
         pytest.skip(f"needs {missing}")
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "quads_megatron.cli", "rl", "--out", str(out), "--model", "smoke",
-           "--arms", "main", "--steps", "3", "--sft-steps", "20", "--prompts", "8", "--group", "4",
-           "--digits", "3", "--budget-s", "420"]  # fmt: skip
+    out = os.environ.get(RUN_DIR_ENV) or str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "quads_megatron.cli", "rl", "--out", out, *SMOKE_ARGS, "--budget-s", "420"]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=env)
     print(res.stdout[-6000:], res.stderr[-3000:], sep="\n")
+    assert res.returncode != EXIT_UNFINISHED, f"unfinished within the budget: rerun with {RUN_DIR_ENV}={out} to resume"
     assert res.returncode == 0, f"quads rl exited with {res.returncode}"
+    out = pathlib.Path(out)
     data = json.load(open(out / "summary" / "rl_summary.json"))
     gaps = {}
     for name, arm in data["arms"].items():

@@ -21,7 +21,8 @@ with a stand-in for the engine (the same sync stream and rollout math in torch).
 EPILOG = """\
 arms: bf16, naive, quads, racR (QAT + RAC R%), NAME-tis (truncated IS); presets main, sweep, all.
 A study runs in pieces: with --budget-s S it stops before work that would not end within S seconds,
-checkpointed; the same command resumes it (another spec in DIR is refused). Summary: DIR/summary/.
+checkpointed; the same command resumes it (another spec in DIR is refused). A stage that overruns S anyway
+is stopped within S + 30 s (allow a minute). Summary: DIR/summary/.
 
 exit status: 0 done, 1 an arm failed (the others ran), 2 usage, 3 refused (one line says why),
 75 stopped at the time budget with work left (run the same command again)."""
@@ -107,25 +108,25 @@ def build_spec(a: argparse.Namespace) -> StudySpec:
 
 
 def missing_for_gpu() -> str | None:
-    """What a GPU study needs and this machine lacks (a CUDA GPU, Transformer Engine, SGLang), or None."""
+    """What a GPU study needs and this machine lacks (a CUDA GPU, Transformer Engine, a supported SGLang), or
+    None. Looks without importing TE or SGLang: this process only orchestrates; the stage workers import
+    them (and a TE build that does not load fails the first stage with the reason)."""
+    from importlib.util import find_spec
+
     import torch
+
+    from quads_megatron.integrations.sglang_versions import check_version
 
     if not torch.cuda.is_available():
         return "a CUDA GPU"
-    from quads_megatron.rl.megatron_model import te_skip_reason
-
-    if te_skip_reason():
-        return "Transformer Engine with megatron-core's TE extension"
+    if find_spec("transformer_engine") is None:
+        return "Transformer Engine"
+    if find_spec("sglang") is None:
+        return "SGLang"
     try:
-        from sglang.srt.entrypoints.engine import Engine  # noqa: F401
-
-        from quads_megatron.integrations.sglang import check_version
-
         check_version()
     except QuadsError as e:
         return f"a supported SGLang ({e})"
-    except Exception as e:  # ImportError or a broken install
-        return f"SGLang ({type(e).__name__}: {e})"
     return None
 
 

@@ -27,11 +27,20 @@ from quads_megatron.rl.spec import ArmSpec, StudySpec
 from quads_megatron.rl.task import Task
 
 Log = Callable[[str], None]
-#: estimates before anything was measured, per engine kind: engine start, first step of a process (warm-up:
-#: kernels compile), later steps, stop (engine shutdown, process exit); seconds
+#: estimates before anything was measured, per engine kind, in seconds: start (the stage's process launched
+#: until its first step can begin: imports, Megatron, the trainer, its weights and, for an arm, the engine),
+#: first step of a process (warm-up: kernels compile), later steps, save, stop (from the stage's last work
+#: until its process has exited: engine shutdown included)
 DEFAULTS = {
-    "sglang": {"engine_start_s": 60.0, "first_step_s": 30.0, "step_s": 10.0, "stop_s": 15.0, "save_s": 5.0},
-    "emulate": {"engine_start_s": 2.0, "first_step_s": 2.0, "step_s": 2.0, "stop_s": 0.5, "save_s": 0.5},
+    "sglang": {
+        "start_s": 100.0,
+        "sft_start_s": 40.0,
+        "first_step_s": 30.0,
+        "step_s": 10.0,
+        "stop_s": 20.0,
+        "save_s": 5.0,
+    },
+    "emulate": {"start_s": 3.0, "sft_start_s": 1.0, "first_step_s": 2.0, "step_s": 2.0, "stop_s": 0.5, "save_s": 0.5},
 }
 SFT_WARMUP = 50  # the SFT learning rate rises linearly over this many steps (a quarter of sft_steps at most)
 SFT_WINDOW = 5  # the SFT target is met when the mean token accuracy of this many last steps reaches it
@@ -43,8 +52,26 @@ def stages(spec: StudySpec) -> list[str]:
 
 
 def estimate(rd: RunDir, spec: StudySpec, key: str) -> float:
-    """The largest time seen for key in this run directory, else the engine kind's default."""
-    return rd.timing().get(key, DEFAULTS[spec.engine][key.replace("sft_", "")])
+    """The largest time seen for key in this run directory, else the engine kind's default (an sft_ key
+    without its own default takes the arms')."""
+    defaults = DEFAULTS[spec.engine]
+    return rd.timing().get(key, defaults.get(key, defaults.get(key.replace("sft_", ""))))
+
+
+def mark_closing(rd: RunDir, stage: str) -> None:
+    """The moment a stage's work ended (before the engine's shutdown): the orchestrator times stop_s from it."""
+    write_json(os.path.join(rd.stage_dir(stage), "closing.json"), {"t": time.time()})
+
+
+def record_stop(rd: RunDir, stage: str, since: float) -> None:
+    """stop_s: from the stage's closing mark until now (its process has exited); the mark is consumed. A mark
+    older than since (the stage's launch: left by a piece that was itself stopped) is dropped unread."""
+    path = os.path.join(rd.stage_dir(stage), "closing.json")
+    mark = read_json(path)
+    if mark is not None:
+        if float(mark["t"]) >= since:
+            rd.record_time("stop_s", time.time() - float(mark["t"]))
+        os.remove(path)
 
 
 class StepClock:
@@ -81,8 +108,9 @@ def _device(spec: StudySpec) -> str:
 # ----------------------------------------------------------------------------- stages (run in the worker)
 
 
-def run_sft(rd: RunDir, spec: StudySpec, budget: Budget, log: Log) -> bool:
-    """The supervised warm-up until sft_target or sft_steps; True when finished."""
+def run_sft(rd: RunDir, spec: StudySpec, budget: Budget, log: Log, launched: float) -> bool:
+    """The supervised warm-up until sft_target or sft_steps; True when finished. launched: time.time() when
+    the stage's process started (sft_start_s is timed from it)."""
     from quads_megatron.rl.trainer import Trainer, export_hf
 
     device = _device(spec)
@@ -96,6 +124,7 @@ def run_sft(rd: RunDir, spec: StudySpec, budget: Budget, log: Log) -> bool:
         rows = state["rows"]
         gen.set_state(state["task_rng"])
     clock = StepClock(rd, spec, "sft_")
+    rd.record_time("sft_start_s", time.time() - launched)
 
     def reached() -> bool:
         last = rows[-SFT_WINDOW:]
@@ -106,6 +135,7 @@ def run_sft(rd: RunDir, spec: StudySpec, budget: Budget, log: Log) -> bool:
             rd.save_state("sft", {"trainer": trainer.state_dict(), "rows": rows, "task_rng": gen.get_state()})
             write_json(rd.path("sft", "progress.json"), {"step": len(rows), "rows": rows})
             log(f"sft: stopped at the time budget after {len(rows)} steps (checkpointed)")
+            mark_closing(rd, "sft")
             return False
         t0 = time.perf_counter()
         trainer.opt.set_lr(spec.sft_lr * min(1.0, (len(rows) + 1) / max(1, min(SFT_WARMUP, spec.sft_steps // 4))))
@@ -121,6 +151,7 @@ def run_sft(rd: RunDir, spec: StudySpec, budget: Budget, log: Log) -> bool:
         export_hf(trainer.model, spec.model, rd.path("hf"))
     rd.finish("sft", {"rows": rows, "steps": len(rows), "reached_target": reached()})
     log(f"sft: done after {len(rows)} steps (target {spec.sft_target} {'reached' if reached() else 'NOT reached'})")
+    mark_closing(rd, "sft")
     return True
 
 
@@ -172,8 +203,9 @@ def rl_step(trainer, rollout, task: Task, gen: torch.Generator, spec: StudySpec,
     return row
 
 
-def run_arm(rd: RunDir, spec: StudySpec, name: str, budget: Budget, log: Log) -> bool:
-    """One arm's GRPO run (resumed from its checkpoint), then its attribution; True when finished."""
+def run_arm(rd: RunDir, spec: StudySpec, name: str, budget: Budget, log: Log, launched: float) -> bool:
+    """One arm's GRPO run (resumed from its checkpoint), then its attribution; True when finished. launched:
+    time.time() when the stage's process started (start_s is timed from it)."""
     from quads_megatron.rl.trainer import Trainer
 
     device = _device(spec)
@@ -213,6 +245,7 @@ def run_arm(rd: RunDir, spec: StudySpec, name: str, budget: Budget, log: Log) ->
             rollout = make_rollout(arm, spec, rd)  # (converts the engine's checkpoint the first time)
             rollout.set_rng_state(state_rng)
             rd.record_time("engine_start_s", time.perf_counter() - t0)
+            rd.record_time("start_s", time.time() - launched)
             log(f"{name}: {arm.label}; rollout ready in {time.perf_counter() - t0:.1f} s, from step {len(rows)}")
         while len(rows) < spec.steps:
             if not budget.allows(clock.need()):
@@ -249,6 +282,7 @@ def run_arm(rd: RunDir, spec: StudySpec, name: str, budget: Budget, log: Log) ->
         log(f"{name}: done ({len(rows)} steps)")
         return True
     finally:
+        mark_closing(rd, name)
         if rollout is not None:
             rollout.close()
         trainer.close()
@@ -263,11 +297,16 @@ def step_line(name: str, row: dict, steps: int) -> str:
     )
 
 
-def run_stage(rd: RunDir, spec: StudySpec, stage: str, budget: Budget, log: Log) -> bool:
-    """One stage here; an exception is recorded in the stage's error.json (the next piece retries it)."""
+def run_stage(rd: RunDir, spec: StudySpec, stage: str, budget: Budget, log: Log, launched: float | None = None) -> bool:
+    """One stage here; an exception is recorded in the stage's error.json (the next piece retries it).
+    launched: when the stage's process started (default now: the stage runs in this process)."""
     err = os.path.join(rd.stage_dir(stage), "error.json")
+    launched = time.time() if launched is None else launched
     try:
-        ok = run_sft(rd, spec, budget, log) if stage == "sft" else run_arm(rd, spec, stage, budget, log)
+        if stage == "sft":
+            ok = run_sft(rd, spec, budget, log, launched)
+        else:
+            ok = run_arm(rd, spec, stage, budget, log, launched)
     except Exception as e:  # recorded; the study goes on with the next arm
         write_json(err, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-6000:]})
         log(f"{stage}: FAILED: {type(e).__name__}: {e}")
@@ -287,14 +326,17 @@ def progress(rd: RunDir, stage: str) -> int:
     return int((read_json(os.path.join(rd.stage_dir(stage), "progress.json"), {}) or {}).get("step", 0))
 
 
-GRACE_S = 60.0  # a worker still running this long past the deadline is stopped
+#: a worker still running this long past the deadline is stopped (SIGTERM, SIGKILL KILL_AFTER_S later): a
+#: piece given --budget-s S ends within S + GRACE_S + KILL_AFTER_S + the summary's few seconds
+GRACE_S = 20.0
+KILL_AFTER_S = 10.0
 
 
 def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the worker's process group (it, the engine's scheduler), SIGKILL 15 s later."""
+    """SIGTERM to the worker's process group (it, the engine's scheduler), SIGKILL KILL_AFTER_S later."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=15)
+        proc.wait(timeout=KILL_AFTER_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -317,12 +359,13 @@ def worker_failure(returncode: int, log_text: str) -> dict:
 def run_in_worker(rd: RunDir, stage: str, budget: Budget, log: Log) -> None:
     """The stage in a worker process (own process group, killed as a group past the deadline + grace)."""
     os.makedirs(rd.path("logs"), exist_ok=True)
-    cmd = [sys.executable, "-m", "quads_megatron.rl.study", rd.root, stage]
+    cmd = [sys.executable, "-m", "quads_megatron.rl.study", rd.root, stage, "--launched", repr(time.time())]
     if budget.deadline is not None:
         cmd += ["--deadline", repr(budget.deadline)]
     if budget.piece_steps is not None:
         cmd += ["--piece-steps", str(max(0, budget.piece_steps - budget.steps))]
     env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_INTERPRET="0")
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS picks the same algorithms run to run
     before = progress(rd, stage)
     log_path = rd.path("logs", f"{stage}.log")
     offset = os.path.getsize(log_path) if os.path.exists(log_path) else 0
@@ -367,17 +410,19 @@ def run_study(rd: RunDir, spec: StudySpec, budget: Budget, log: Log, workers: bo
             continue
         started = progress(rd, stage) > 0
         first = estimate(rd, spec, "sft_first_step_s" if stage == "sft" else "first_step_s")
-        need = (0 if stage == "sft" else estimate(rd, spec, "engine_start_s")) + 1.5 * first
+        need = estimate(rd, spec, "sft_start_s" if stage == "sft" else "start_s") + 1.5 * first
         need += estimate(rd, spec, "save_s") + estimate(rd, spec, "stop_s")
         if not budget.allows(need):
             log(f"time budget: {budget.remaining():.0f} s left, {stage} needs ~{need:.0f} s; run again to resume")
             return "unfinished"
         left = "" if budget.deadline is None else f" ({budget.remaining():.0f} s of budget left)"
         log(f"{stage}: {'resuming' if started else 'starting'}{left}")
+        launched = time.time()
         if workers:
             run_in_worker(rd, stage, budget, log)
         else:
             run_stage(rd, spec, stage, budget, log)
+        record_stop(rd, stage, launched)
         if rd.done(stage) is None:
             if os.path.exists(os.path.join(rd.stage_dir(stage), "error.json")):
                 failed = True
@@ -394,6 +439,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("stage")
     p.add_argument("--deadline", type=float, default=None)
     p.add_argument("--piece-steps", type=int, default=None)
+    p.add_argument("--launched", type=float, default=None, help="time.time() when the orchestrator started it")
     a = p.parse_args(argv)
     rd = RunDir(a.run_dir)
     spec = rd.spec()
@@ -402,7 +448,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')} +{time.time() - t0:5.0f}s] {msg}", flush=True)
 
-    run_stage(rd, spec, a.stage, Budget(a.deadline, a.piece_steps), log)
+    run_stage(rd, spec, a.stage, Budget(a.deadline, a.piece_steps), log, a.launched)
     failed = os.path.exists(os.path.join(rd.stage_dir(a.stage), "error.json"))
     return 1 if failed else 0
 

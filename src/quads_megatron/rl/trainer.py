@@ -25,6 +25,12 @@ def setup_megatron(seed: int) -> str:
     """A one-process Megatron world; returns the trainer's device ('cuda' or 'cpu')."""
     from quads_megatron.rl.megatron_model import init_megatron
 
+    if torch.cuda.is_available():
+        from quads_megatron.rl.megatron_model import te_skip_reason
+
+        reason = te_skip_reason()
+        if reason:  # the GPU trainer is the Transformer Engine spec
+            raise RuntimeError(f"the GPU trainer {reason}")
     init_megatron(seed)
     if torch.cuda.is_available():
         return "cuda"

@@ -6,7 +6,8 @@ contract); this module maps SGLang's interfaces onto it.
 * register(): the ``sglang.srt.plugins`` entry point (declared in pyproject.toml, so every SGLang
   process loads it). Adds ``quads_nvfp4`` to QUANTIZATION_METHODS (first, so that its
   checkpoint override wins over ModelOpt's for ``--quantization quads_nvfp4``) and to the CLI
-  choices; idempotent; refuses SGLang outside SUPPORTED_RANGE unless QUADS_ALLOW_UNTESTED_SGLANG=1.
+  choices; idempotent; refuses SGLang outside sglang_versions.SUPPORTED_RANGE unless
+  QUADS_ALLOW_UNTESTED_SGLANG=1.
   What differs between the supported SGLang versions is handled in compat.py.
 * QuadsNvfp4Config: reads ModelOpt NVFP4 configs (hf_quant_config.json or config.json
   quantization_config; exclude patterns) plus the optional ``quads`` block that quads convert
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from typing import Any
 
 import torch
@@ -36,45 +36,20 @@ from quads_megatron import nvfp4
 from quads_megatron.config import NVFP4Config, RACConfig, RolloutConfig, load_config
 from quads_megatron.errors import QuadsConfigError, QuadsSglangError, RACPlanError
 from quads_megatron.integrations.sglang import compat
+from quads_megatron.integrations.sglang_versions import check_version
 from quads_megatron.nvfp4 import BLOCK_SIZE
 from quads_megatron.rollout.moe_block import ExpertWeights, GemmRAC, LayerRAC, moe_w4a4
 from quads_megatron.rollout.rac_plan import RACPlan
 
 METHOD = "quads_nvfp4"
-#: SGLang versions this adapter supports, [0.5.17, 0.5.24): the CPU tests run 0.5.23 (the real package, a
-#: real Qwen3-MoE model); 0.5.17 is the newest SGLang for torch 2.11, the GPU engine's version on the H200.
-#: The adapter follows both versions' sources (compat.py); versions in between were not run, newer ones are
-#: refused because SGLang changes its MoE interfaces between patch releases (0.5.17 -> 0.5.23 did).
-SUPPORTED_RANGE = ((0, 5, 17), (0, 5, 24))
-TESTED = "0.5.23 (CPU tests) and 0.5.17 (GPU engine)"
 #: sm_90: the kernels convert FP8 e4m3 scales (sm_89+) and the fast GEMM is Hopper wgmma; tested on sm_90
 MIN_CAPABILITY = 90
-ALLOW_UNTESTED_ENV = "QUADS_ALLOW_UNTESTED_SGLANG"
 CONFIG_ENV = "QUADS_CONFIG"
 
 logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- registration
-
-
-def _version_tuple(v: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", v.split("+")[0])[:3])
-
-
-def check_version(version: str | None = None) -> str:
-    """The installed SGLang version, or QuadsSglangError when outside SUPPORTED_RANGE."""
-    if version is None:
-        import sglang
-
-        version = sglang.__version__
-    lo, hi = SUPPORTED_RANGE
-    if not lo <= _version_tuple(version) < hi and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
-        raise QuadsSglangError(
-            f"quads_nvfp4 supports sglang >= {'.'.join(map(str, lo))}, < {'.'.join(map(str, hi))} (tested: "
-            f"{TESTED}); found {version}. Set {ALLOW_UNTESTED_ENV}=1 to try it anyway."
-        )
-    return version
 
 
 def _device_capability() -> tuple[int, int] | None:
