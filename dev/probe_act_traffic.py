@@ -43,7 +43,7 @@ from quads_megatron.kernels import gemm_wgmma_launch as wg
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 import probe_wgmma_costs as costs  # noqa: E402
-from probe_wgmma_tiles import HIDDEN, INTER, bench, fc1_rows, fc1_weights  # noqa: E402
+from probe_wgmma_tiles import HIDDEN, INTER, bench, expert_weights, fc1_rows  # noqa: E402
 
 ROWS = "        b_rows = (r < row_end)[:, None]\n"
 ACT_COPY, *_w_copies = costs.COPIES.splitlines(keepends=True)  # the loader's activation, code, scale copies
@@ -129,7 +129,7 @@ def main() -> None:
     if args.baseline:
         mods["baseline"] = costs.load_variant(open(args.baseline).read(), open(wg.__file__).read(), "_probe_baseline")
     g = torch.Generator(device="cuda").manual_seed(0)
-    w, (wc, wsc, wsd) = fc1_weights(g)
+    w, (wc, wsc, wsd) = expert_weights(g)
     w_bt = w.transpose(-2, -1)
     for tokens in (int(t) for t in args.tokens.split(",")):
         offs, tok, rows = fc1_rows(tokens, g)

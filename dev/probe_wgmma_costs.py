@@ -44,7 +44,7 @@ from quads_megatron.kernels import act_quant, gemm_wgmma, row_tiles, tile_config
 from quads_megatron.kernels import gemm_wgmma_launch as wg
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
-from probe_wgmma_tiles import HIDDEN, INTER, bench, fc1_rows, fc1_weights  # noqa: E402
+from probe_wgmma_tiles import HIDDEN, INTER, bench, expert_weights, fc1_rows  # noqa: E402
 
 FENCE = """        hopper.fence_async_shared()  # the cp.async writes are visible to wgmma's (async proxy) reads
 """
@@ -210,7 +210,7 @@ def main() -> None:
         sys.exit(0 if self_check() else 1)
     mods = {"full": wg, **{name: variant(name) for name in VARIANTS}}
     g = torch.Generator(device="cuda").manual_seed(0)
-    _, (wc, wsc, wsd) = fc1_weights(g)
+    _, (wc, wsc, wsd) = expert_weights(g)
     for tokens in (int(t) for t in args.tokens.split(",")):
         offs, tok, rows = fc1_rows(tokens, g)
         x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()

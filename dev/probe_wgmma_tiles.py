@@ -1,12 +1,14 @@
-"""Device probe: tiles of the Gluon Hopper W4A4 GEMM (kernels/gemm_wgmma.py) on the Qwen3-30B-A3B fc1
-shape, per token count, side by side with the Triton GEMM at its tuned tiles and the bf16 / FP8 peers;
+"""Device probe: tiles of the Gluon Hopper W4A4 GEMM (kernels/gemm_wgmma.py) on the Qwen3-30B-A3B fc1 (or
+fc2) shape, per token count, side by side with the Triton GEMM at its tuned tiles and the bf16 / FP8 peers;
 each tile is checked against the Triton GEMM (same exact products, other fp32 order).
 
 python dev/probe_wgmma_tiles.py [--tokens 16,64,256,1024,4096,16384] [--budget-s 300] [--match REGEX]
-    [--mask-rows] [--narrow] [--write-config]
-(CUDA GPU; CUDA-graph replay medians; token-indexed rows as moe_w4a4 runs fc1; no RAC)
---write-config: the winning tile of each rule the probed row counts fall in (N = fc1's, bf16 output) into
-configs/wgmma_gemm.json under this GPU's name (dev/tile_writer.py).
+    [--mask-rows] [--narrow] [--gemm fc1|fc2] [--write-config]
+(CUDA GPU; CUDA-graph replay medians; fc1: token-indexed rows as moe_w4a4 runs it, fc2: one operand row per
+grouped row, N = hidden, K = intermediate; no RAC)
+--write-config: the winning tile of each rule the probed row counts fall in (the GEMM's N and K, bf16
+output) into configs/wgmma_gemm.json under this GPU's name (dev/tile_writer.py); fc2's K falls in the
+max_k rules.
 """
 
 from __future__ import annotations
@@ -102,9 +104,12 @@ def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
 
 
-def fc1_weights(g: torch.Generator) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Random bf16 fc1 weights [E, 2I, H] and their NVFP4 (codes, scales, S_dec) stacked per expert."""
-    w = torch.randn(E, 2 * INTER, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+def expert_weights(
+    g: torch.Generator, n: int = 2 * INTER, k: int = HIDDEN
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Random bf16 expert weights [E, N, K] (default fc1's [E, 2I, H]) and their NVFP4 (codes, scales,
+    S_dec) stacked per expert."""
+    w = torch.randn(E, n, k, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
     return w, gemm_triton.stack_expert_weights([nvfp4.quantize(w[e]) for e in range(E)])
 
 
@@ -123,20 +128,24 @@ def main() -> None:
     ap.add_argument("--mask-rows", action="store_true", help="also each tile with rows past the expert zero-filled")
     ap.add_argument("--narrow", action="store_true", help="also each warp-specialized tile (BT >= 32) with narrow")
     ap.add_argument("--write-config", action="store_true", help="write the winners into configs/wgmma_gemm.json")
+    ap.add_argument("--gemm", choices=("fc1", "fc2"), default="fc1", help="fc2: N=hidden, K=inter (its max_k rules)")
     args = ap.parse_args()
+    n_out, k_in = (2 * INTER, HIDDEN) if args.gemm == "fc1" else (HIDDEN, INTER)
     runs = []  # (rule, rows, tile, us) for --write-config
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
-    w, (wc, wsc, wsd) = fc1_weights(g)
+    w, (wc, wsc, wsd) = expert_weights(g, n_out, k_in)
     w_amax = w.float().abs().amax(-1)
     w8 = (w.float() / (w_amax / 448).unsqueeze(-1)).to(torch.float8_e4m3fn)
     for tokens in (int(t) for t in args.tokens.split(",")):
         offs, tok, rows = fc1_rows(tokens, g)
+        if args.gemm == "fc2":  # fc2's operand: one row per grouped row (SiLU(gate) * up), not token-indexed
+            tok = None
         xt = (
-            torch.randn(tokens, HIDDEN, generator=g, device="cuda")
-            * torch.exp(torch.randn(HIDDEN, generator=g, device="cuda"))
+            torch.randn(tokens if tok is not None else rows, k_in, generator=g, device="cuda")
+            * torch.exp(torch.randn(k_in, generator=g, device="cuda"))
         ).bfloat16()
-        x = xt[tok]
+        x = xt if tok is None else xt[tok]
         bf16 = bench(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
         xa = x.float().abs().amax(-1)
         x8, sx8 = (x.float() / (xa / 448).unsqueeze(-1)).to(torch.float8_e4m3fn), (xa / 448).float()
@@ -149,7 +158,7 @@ def main() -> None:
         want = gemm_triton.grouped_w4a4(pairs, offs, wc, wsc, wsd, out_dtype=torch.float32, a_rows=tok)
         want16 = gemm_triton.grouped_w4a4(pairs, offs, wc, wsc, wsd, a_rows=tok)
         triton_us = bench(lambda: gemm_triton.grouped_w4a4(pairs, offs, wc, wsc, wsd, a_rows=tok))
-        rule = tile_configs.match_rule("wgmma_gemm", "cuda", rows=rows, n=2 * INTER, out_bytes=2)[0]
+        rule = tile_configs.match_rule("wgmma_gemm", "cuda", rows=rows, n=n_out, out_bytes=2, k=k_in)[0]
         print(
             f"tokens {tokens} rows {rows}: bf16 {bf16:.1f} us, fp8 {fp8:.1f} us, triton gemm {triton_us:.1f} us "
             f"({bf16 / triton_us:.2f}x bf16)",
@@ -211,7 +220,7 @@ def main() -> None:
             )
         if res:
             best = min(res)
-            d = tile_configs.wgmma_config(rows, 2 * INTER, device="cuda")
+            d = tile_configs.wgmma_config(rows, n_out, device="cuda", k=k_in)
             print(f"  best {best[1]} {best[0]:.1f} us; default {d}; max err {max(r[2] for r in res):.1e}", flush=True)
     if args.write_config:
         print("written:", write_config("wgmma_gemm", runs), flush=True)

@@ -17,6 +17,7 @@ from quads_megatron.kernels.tile_configs import ActQuantConfig, TritonGemmConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FACTS = {  # values of each condition a lookup is asked about
+    "k": [None, 256, 768, 1024, 1040, 2048, 7168],
     "n": [64, 128, 192, 256, 384, 576, 1536, 2048, 4096, 4160],
     "out_bytes": [2, 4],
     "rac": [False, True],
@@ -30,7 +31,7 @@ def _rows_grid(rules: list[dict]) -> list[int]:
 
 
 def _fact_grid(kind: str):
-    fact_of = {"n_multiple_of": "n", "out_bytes": "out_bytes", "rac": "rac", "gated": "gated"}
+    fact_of = {"max_k": "k", "n_multiple_of": "n", "out_bytes": "out_bytes", "rac": "rac", "gated": "gated"}
     names = [fact_of[c] for c in tile_configs.CONDITIONS[kind] if c in fact_of]
     for values in itertools.product(*(FACTS[c] for c in names)):
         yield dict(zip(names, values, strict=True))
@@ -62,7 +63,7 @@ def test_lookups_give_their_dataclass_for_every_shape():
     to the rule's that divides K; the activation quantization's block_k covering K with dynamic RAC)."""
     for rows, k in itertools.product([0, 1, 100, 4096, 4097, 16384, 16385, 10**6], range(16, 8193, 16)):
         cfg = tile_configs.triton_gemm_config(rows, k)
-        ceiling = tile_configs.match_rule("triton_gemm", rows=rows)[1]["tile"]["block_k"]
+        ceiling = tile_configs.match_rule("triton_gemm", rows=rows, k=k)[1]["tile"]["block_k"]
         assert k % cfg.block_k == 0 and cfg.block_k <= ceiling
         assert cfg.block_k * 2 > ceiling or k % (cfg.block_k * 2)
         for plan, dynamic, gated in itertools.product((False, True), repeat=3):
@@ -165,12 +166,41 @@ def test_a_named_device_gets_its_entry_and_others_the_default(monkeypatch):
     table["devices"]["NVIDIA_B300"] = other
     tile_configs.check_table("triton_gemm", table, "test")
     monkeypatch.setattr(tile_configs, "load_table", lambda kind: table)
-    default = tile_configs.match_rule("triton_gemm", "cpu", rows=16)[1]["tile"]
+    default = tile_configs.match_rule("triton_gemm", "cpu", rows=16, k=256)[1]["tile"]
     assert tile_configs.triton_gemm_config(16, 256, "cpu") == TritonGemmConfig(**{**default, "block_k": 256})
     monkeypatch.setattr(tile_configs, "device_key", lambda device: "NVIDIA_B300")
     assert tile_configs.triton_gemm_config(16, 256, "cuda") == TritonGemmConfig(32, 32, 32, 2, 1)
     monkeypatch.setattr(tile_configs, "device_key", lambda device: "NVIDIA_A100")
     assert tile_configs.triton_gemm_config(16, 256, "cuda") == TritonGemmConfig(**{**default, "block_k": 256})
+
+
+def test_triton_rules_by_k_separate_fc2_from_fc1(monkeypatch):
+    """A max_k rule gives its tile to GEMMs of inner size K <= max_k only (fc2 of a Qwen3-30B-A3B expert,
+    K = 768, not its fc1, K = 2048), in both GEMMs' tables; a rule without max_k takes every K."""
+    table, wg = _table("triton_gemm"), _table("wgmma_gemm")
+    table["devices"]["NVIDIA_H200"]["rules"] = [
+        {"max_k": 1024, "max_rows": 4096, "tile": {"block_m": 16, "block_n": 256, "block_k": 128, "num_warps": 8,
+                                                   "num_stages": 4}},
+        {"max_rows": 4096, "tile": {"block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 3}},
+        {"tile": {"block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 2}},
+    ]  # fmt: skip
+    tile_configs.check_table("triton_gemm", table, "test")
+    monkeypatch.setattr(tile_configs, "load_table", lambda kind: table)
+    assert tile_configs.triton_gemm_config(128, 768) == TritonGemmConfig(16, 256, 128, 8, 4)
+    assert tile_configs.triton_gemm_config(128, 1024) == TritonGemmConfig(16, 256, 128, 8, 4)
+    assert tile_configs.triton_gemm_config(128, 2048) == TritonGemmConfig(16, 64, 256, 4, 3)
+    assert tile_configs.triton_gemm_config(8192, 768) == TritonGemmConfig(64, 128, 128, 4, 2)
+    fc2_tile = {"block_t": 32, "num_warps": 4, "stages": 4}
+    wg["devices"]["NVIDIA_H200"]["rules"].insert(0, {"max_k": 1024, "n_multiple_of": 128, "tile": fc2_tile})
+    tile_configs.check_table("wgmma_gemm", wg, "test")
+    monkeypatch.setattr(tile_configs, "load_table", lambda kind: wg if kind == "wgmma_gemm" else table)
+    assert tile_configs.wgmma_config(2048, 2048, k=768) == WgmmaConfig(**fc2_tile)
+    assert tile_configs.wgmma_config(2048, 1536, k=2048) != WgmmaConfig(**fc2_tile)
+    assert tile_configs.wgmma_config(2048, 2048) != WgmmaConfig(**fc2_tile)  # K not given: no max_k rule holds
+    bad = copy.deepcopy(table)
+    bad["devices"]["NVIDIA_H200"]["rules"][0]["min_k"] = 512
+    with pytest.raises(KernelConfigError, match="unknown keys {'min_k'}"):
+        tile_configs.check_table("triton_gemm", bad, "test")
 
 
 def _imports(path: pathlib.Path) -> set[str]:

@@ -4,7 +4,8 @@
 #   bash dev/device/run.sh PART[:SECONDS] ...      parts: cuda te engine server sync block pieces gemm tiles
 #                                                   triton-tiles engine-bench rl rl-smoke rl-test cpu
 # tiles / triton-tiles sweep the Gluon / Triton GEMM's tiles on this GPU (dev/probe_*_tiles.py --write-config,
-# arguments from TILES_ARGS) and copy the rewritten configs/*.json to $OUT (commit them from there).
+# arguments from TILES_ARGS, e.g. "--gemm fc2" for fc2's own rules) and copy the rewritten configs/*.json to
+# $OUT (commit them from there).
 # engine is the engine test without the README server command (~7.5 min), server that one alone (~4 min; needs
 # the sga carry's audio wheels). engine-bench, block and pieces take extra arguments from BENCH_ENGINE_ARGS,
 # BLOCK_ARGS and PIECES_ARGS. rl runs one resumable piece of the `quads rl` study in $RL_RUN (default

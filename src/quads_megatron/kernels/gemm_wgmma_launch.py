@@ -170,7 +170,7 @@ def grouped_w4a4_wgmma(
 
     values: fp16 [M, K] activation operand in the "wgmma" order; global_decode: fp32 [M] or [M, 1]; w_codes u8
     [E, N, K/2], w_scales u8 [E, N, K/16], w_sdec fp32 [E] (may be strided); a_rows: optional token index of
-    each grouped row. config: the tiles (None: the tuned ones, wgmma_config(rows, N, out_dtype)); where K
+    each grouped row. config: the tiles (None: the tuned ones, wgmma_config(rows, N, out_dtype, k=K)); where K
     does not allow 2 chunks per step (K % 256, or a one-step loop with loader warps) one is used, and runs
     are shortened to a divisor of the K loop (run_length). tiles: RowTiles of offs in block_t-row tiles
     made beforehand (row_tiles.row_tiles, or the activation operand's .tiles); None: one tile_map launch.
@@ -190,7 +190,7 @@ def grouped_w4a4_wgmma(
     if config is not None and not isinstance(config, WgmmaConfig):
         raise TypeError(f"config must be a WgmmaConfig, got {type(config).__name__}")
     m, offs, a_rows = grouped_rows(values.shape[0], offs, a_rows, e_count, w_codes.device)
-    cfg = config or wgmma_config(m, n, out_dtype, w_codes.device)
+    cfg = config or wgmma_config(m, n, out_dtype, w_codes.device, k=k)
     chunks, unroll, overlap = fit_tile(cfg, n, k, out_dtype)
     block_t, num_warps, stages, loader_warps = cfg.block_t, cfg.num_warps, cfg.stages, cfg.loader_warps
     maxnreg, split, mask_rows, narrow, tma_store = cfg.maxnreg, cfg.split, cfg.mask_rows, cfg.narrow, cfg.tma_store

@@ -6,6 +6,7 @@ an ordered list of rules; the first rule whose conditions all hold gives the til
 
     {"max_rows": 4096, "tile": {...}}     rows <= max_rows     (rows: grouped rows, or rows quantized)
     {"min_rows": 8192, ...}               rows >= min_rows
+    {"max_k": 1024, ...}                  K <= max_k (the GEMM's inner size: fc2's is the expert's intermediate)
     {"n_multiple_of": 192, ...}           N % n_multiple_of == 0
     {"out_bytes": 2, ...}                 the output dtype's itemsize
     {"rac": true, ...}, {"gated": true}   activation quantization: a RAC selection given / SiLU*up fused
@@ -28,8 +29,8 @@ from quads_megatron.errors import KernelConfigError
 
 KINDS = ("triton_gemm", "wgmma_gemm", "act_quant")
 CONDITIONS = {  # the conditions a kind's rules may state (facts its lookup knows)
-    "triton_gemm": ("max_rows", "min_rows"),
-    "wgmma_gemm": ("max_rows", "min_rows", "n_multiple_of", "out_bytes"),
+    "triton_gemm": ("max_rows", "min_rows", "max_k"),
+    "wgmma_gemm": ("max_rows", "min_rows", "max_k", "n_multiple_of", "out_bytes"),
     "act_quant": ("max_rows", "min_rows", "rac", "gated"),
 }
 
@@ -222,13 +223,15 @@ def device_entry(kind: str, device: torch.device | str | None = None) -> dict:
 
 
 def rule_holds(rule: dict, facts: dict) -> bool:
-    """Whether every condition of rule holds for facts (rows, n, out_bytes, rac, gated)."""
+    """Whether every condition of rule holds for facts (rows, k, n, out_bytes, rac, gated)."""
     for key, want in rule.items():
         if key == "tile":
             continue
         if key == "max_rows" and not facts["rows"] <= want:
             return False
         if key == "min_rows" and not facts["rows"] >= want:
+            return False
+        if key == "max_k" and not (facts.get("k") is not None and facts["k"] <= want):
             return False
         if key == "n_multiple_of" and facts["n"] % want:
             return False
@@ -246,7 +249,7 @@ def match_rule(kind: str, device: torch.device | str | None = None, **facts) -> 
 def triton_gemm_config(rows: int, k: int, device: torch.device | str | None = None) -> TritonGemmConfig:
     """The tuned tiles of the Triton grouped GEMM at this many grouped rows and inner size K; the data's
     block_k is a ceiling: the largest power of two (>= 16) at most it that divides K."""
-    tile = dict(match_rule("triton_gemm", device, rows=rows)[1]["tile"])
+    tile = dict(match_rule("triton_gemm", device, rows=rows, k=k)[1]["tile"])
     pref = tile["block_k"]
     fits = [b for b in (512, 256, 128, 64, 32, 16) if b <= pref and k % b == 0]
     if not fits:
@@ -256,11 +259,15 @@ def triton_gemm_config(rows: int, k: int, device: torch.device | str | None = No
 
 
 def wgmma_config(
-    rows: int, n: int, out_dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None
+    rows: int,
+    n: int,
+    out_dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    k: int | None = None,
 ) -> WgmmaConfig:
     """The tuned tiles of the Gluon Hopper GEMM at this many grouped rows (tokens * top-k), N output
-    columns and output dtype."""
-    facts = dict(rows=rows, n=n, out_bytes=out_dtype.itemsize)
+    columns, output dtype and inner size K (None: rules that state max_k do not apply)."""
+    facts = dict(rows=rows, n=n, out_bytes=out_dtype.itemsize, k=k)
     return WgmmaConfig(**match_rule("wgmma_gemm", device, **facts)[1]["tile"])
 
 

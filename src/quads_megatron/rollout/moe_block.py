@@ -239,7 +239,7 @@ def _gemm_config(rows: int, n: int, k: int, wgmma: bool, out_dtype: torch.dtype,
     from quads_megatron.kernels import tile_configs
 
     if wgmma:
-        cfg = tile_configs.wgmma_config(rows, n, out_dtype, device)
+        cfg = tile_configs.wgmma_config(rows, n, out_dtype, device, k=k)
         return cfg, cfg.block_t
     cfg = tile_configs.triton_gemm_config(rows, k, device)
     return cfg, cfg.block_m
