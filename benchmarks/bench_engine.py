@@ -50,19 +50,6 @@ RUNNING: set[int] = set()
 # ----------------------------------------------------------------------------- one arm (child process)
 
 
-def allow_untested_sglang() -> str | None:
-    """QUADS_ALLOW_UNTESTED_SGLANG=1 when the installed SGLang is outside the method's tested range
-    (being widened to the device's 0.5.17); returns a note saying so."""
-    from quads_megatron.integrations.sglang.method import ALLOW_UNTESTED_ENV, QuadsSglangError, check_version
-
-    try:
-        check_version()
-        return None
-    except QuadsSglangError as e:
-        os.environ[ALLOW_UNTESTED_ENV] = "1"
-        return f"{ALLOW_UNTESTED_ENV}=1 set: {e}"
-
-
 def engine_kwargs(spec: dict) -> dict:
     max_bs = max(spec["batches"])
     kw = dict(
@@ -113,7 +100,11 @@ def run_arm(spec: dict, save) -> dict:
     measured), shut it down. A batch that fails is recorded under 'errors' and the next one runs."""
     from sglang.srt.entrypoints.engine import Engine
 
-    out: dict = {"note": allow_untested_sglang() if spec["quantization"] == "quads_nvfp4" else None}
+    from quads_megatron.integrations.sglang_versions import check_version
+
+    if spec["quantization"] == "quads_nvfp4":
+        check_version()  # outside the supported range the engine's scheduler would refuse the plugin later
+    out: dict = {}
     rng = random.Random(spec["seed"])
 
     def prompts(b: int) -> list[list[int]]:
@@ -256,7 +247,7 @@ def markdown(results: dict) -> str:
             lines.append(f"- {a}: FAILED: {r.get('error')}")
             continue
         if r.get("startup_s") is not None:
-            lines.append(f"- {a}: engine start {r['startup_s']:.0f} s" + (f"; {r['note']}" if r.get("note") else ""))
+            lines.append(f"- {a}: engine start {r['startup_s']:.0f} s")
         for b, e in sorted(r.get("errors", {}).items()):
             lines.append(f"- {a}: batch {b} FAILED: {e}")
         if r.get("error"):

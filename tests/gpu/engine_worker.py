@@ -75,19 +75,6 @@ def decode_graph_captured(evidence: dict) -> bool:
     return not evidence["disable_cuda_graph"] and evidence["decode_backend"] != "disabled" and captured
 
 
-def allow_untested_sglang() -> str | None:
-    """Set QUADS_ALLOW_UNTESTED_SGLANG=1 when the installed SGLang is outside the method's tested range
-    (the range is being widened to the device's 0.5.17); returns a note saying so, else None."""
-    from quads_megatron.integrations.sglang_versions import ALLOW_UNTESTED_ENV, QuadsSglangError, check_version
-
-    try:
-        check_version()
-        return None
-    except QuadsSglangError as e:
-        os.environ[ALLOW_UNTESTED_ENV] = "1"
-        return f"{ALLOW_UNTESTED_ENV}=1 set: {e}"
-
-
 def forced_logprobs(meta: dict, seq: list[int], index: int, vocab_size: int | None) -> list[float]:
     """input_logprobs of the index-th forced sequence, its index named in the error."""
     try:
@@ -99,7 +86,7 @@ def forced_logprobs(meta: dict, seq: list[int], index: int, vocab_size: int | No
 def run(spec: dict) -> dict:
     from sglang.srt.entrypoints.engine import Engine
 
-    out: dict = {"note": allow_untested_sglang() if spec["engine"].get("quantization") else None}
+    out: dict = {}
     t0 = time.time()
     engine = Engine(**spec["engine"])
     out["startup_s"] = time.time() - t0

@@ -27,7 +27,6 @@ TRITON_INTERPRET=0 pytest -s -rA tests/gpu/test_sglang_engine.py
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import json
 import os
@@ -103,19 +102,9 @@ def write_report() -> None:
             json.dump(REPORT, f, indent=1, default=float)
 
 
-@functools.cache
-def guard_note() -> str | None:
-    note = ew.allow_untested_sglang()  # sets QUADS_ALLOW_UNTESTED_SGLANG=1 here when needed
-    if note:
-        REPORT["note"] = note
-        print(f"NOTE {note}", flush=True)
-    return note
-
-
 def child_env() -> dict:
     """Environment of the engine and server processes: Triton compiled (the CPU tests' conftest turns
-    its interpreter on), and the SGLang version guard's override where the device's SGLang needs it."""
-    guard_note()
+    its interpreter on)."""
     return dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1")
 
 
@@ -343,7 +332,7 @@ def test_quads_engine_matches_reference(engines, ref, mode):
         d["gap_to_other_references"] = {m: g["mean"] for m, g in gaps.items() if m != mode}
         d.update(floor=ref.floor(mode), k=kernel_difference(engines, ref), separation=ref.separation(mode))
         d["tolerance"] = MARGIN * d["k"] * d["floor"]
-        d.update(startup_s=res["startup_s"], graph=res["graph"], note=res.get("note"))
+        d.update(startup_s=res["startup_s"], graph=res["graph"])
         assert gaps[mode]["mean"] <= d["tolerance"], d
         nearest = min(gaps, key=lambda m: gaps[m]["mean"])
         assert nearest == mode, f"engine ({mode}) is closest to the {nearest} reference: {d}"
