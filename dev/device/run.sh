@@ -2,10 +2,11 @@
 # On the GPU machine, after install.sh: run parts of the GPU checks and benchmarks, each with its own timeout,
 # each logging to $OUT/<part>.log (at most 8 files come back per call), one summary line per part.
 #   bash dev/device/run.sh PART[:SECONDS] ...      parts: cuda te engine server sync block pieces gemm tiles
-#                                                   triton-tiles engine-bench rl rl-smoke rl-test cpu
-# tiles / triton-tiles sweep the Gluon / Triton GEMM's tiles on this GPU (dev/probe_*_tiles.py --write-config,
-# arguments from TILES_ARGS, e.g. "--gemm fc2" for fc2's own rules) and copy the rewritten configs/*.json to
-# $OUT (commit them from there).
+#                                                   triton-tiles act-tiles engine-bench rl rl-smoke rl-test cpu
+# tiles / triton-tiles / act-tiles sweep the Gluon GEMM's, the Triton GEMM's and the activation quantization's
+# tiles on this GPU (dev/probe_*_tiles.py --write-config; act-tiles: fc1's, then fc2's gated quantization;
+# arguments from TILES_ARGS, e.g. "--gemm fc2" for the GEMMs' fc2 rules) and copy the rewritten
+# configs/*.json to $OUT (commit them from there).
 # engine is the engine test without the README server command (~7.5 min), server that one alone (~4 min; needs
 # the sga carry's audio wheels). engine-bench, block and pieces take extra arguments from BENCH_ENGINE_ARGS,
 # BLOCK_ARGS and PIECES_ARGS. rl runs one resumable piece of the `quads rl` study in $RL_RUN (default
@@ -40,6 +41,9 @@ for spec in "$@"; do
     triton-tiles) timeout "$secs" python3 dev/probe_gemm_tiles.py --write-config --budget-s $((secs - 60)) \
           ${TILES_ARGS:-} > "$log" 2>&1
         rc=$?; cp src/quads_megatron/kernels/configs/triton_gemm.json "$OUT"/ 2>/dev/null; (exit $rc) ;;
+    act-tiles) timeout "$secs" bash -c "python3 dev/probe_act_quant_tiles.py --write-config ${TILES_ARGS:-} &&
+          python3 dev/probe_act_quant_tiles.py --write-config --gated ${TILES_ARGS:-}" > "$log" 2>&1
+        rc=$?; cp src/quads_megatron/kernels/configs/act_quant.json "$OUT"/ 2>/dev/null; (exit $rc) ;;
     engine-bench) timeout "$secs" python3 benchmarks/bench_engine.py --out "$OUT" ${BENCH_ENGINE_ARGS:-} > "$log" 2>&1 ;;
     rl) run=${RL_RUN:-/tmp/rl_run}
         timeout "$secs" python3 -m quads_megatron.cli rl --out "$run" --budget-s $((secs - 90)) ${RL_ARGS:-} > "$log" 2>&1
