@@ -165,13 +165,13 @@ def main() -> None:
             flush=True,
         )
         res = []
-        runs = [
+        variants = [
             ((*t, False)[:9], m, nr)
             for t in tiles(rows)
             for m in ((False, True) if args.mask_rows else (False,))
             for nr in ((False, True) if args.narrow and t[6] and t[0] >= 32 else (False,))
         ]
-        for (bt, nw, st, kc, un, regs, lw, cps, split), masked, narrow in runs:
+        for (bt, nw, st, kc, un, regs, lw, cps, split), masked, narrow in variants:
             name = f"BT{bt} w{nw} s{st} c{kc} u{un} r{regs or '-'} ws{lw} p{cps}" + (" split" if split else "")
             name += (" masked rows" if masked else "") + (" narrow" if narrow else "")
             if not re.search(args.match, name):

@@ -4,9 +4,11 @@
 A probe records each timed run as (rule index, probe point, tile, us): the rule its point falls in
 (tile_configs.match_rule on the probe's facts), the point (e.g. its row count), the tile's fields. Per
 rule, the winner is the tile with the least total time over that rule's points, among the tiles timed at
-all of them; rules no point fell in keep their tile. The device's entry is created from the default
-device's where the file has none; the whole table is checked (tile_configs.check_table) before it
-replaces the file (a temporary file renamed over it: the file is complete or untouched).
+all of them; rules no point fell in keep their tile, except a max_k copy of a swept rule (fc2's rules copy
+fc1's) that still holds the swept rule's old tile: it follows the winner until its own sweep (--gemm
+fc2). The device's entry is created from the default device's where the file has none; the whole table
+is checked (tile_configs.check_table) before it replaces the file (a temporary file renamed over it: the
+file is complete or untouched).
 """
 
 from __future__ import annotations
@@ -41,6 +43,32 @@ def winners(runs: list[tuple[int, object, dict, float]]) -> dict[int, dict]:
     return out
 
 
+def same_rule_but_k(rule: dict, other: dict) -> bool:
+    """Whether rule is a max_k copy of other: the same conditions but for its max_k (fc2's rules copy fc1's)."""
+    def conditions(r: dict) -> dict:
+        return {k: v for k, v in r.items() if k not in ("tile", "max_k")}
+
+    return "max_k" in rule and "max_k" not in other and conditions(rule) == conditions(other)
+
+
+def apply_winners(entry: dict, kind: str, key: str, runs: list[tuple[int, object, dict, float]]) -> list[str]:
+    """Set each swept rule's tile to its winner in entry (a device's {"rules": [...]}); a max_k copy of a swept
+    rule that still holds the tile the swept rule had, and was not swept itself, follows it (an fc1 sweep
+    keeps fc2 on fc1's tiles until fc2 is swept with --gemm fc2). Returns one line per change."""
+    rules, won = entry["rules"], winners(runs)
+    before = {i: copy.deepcopy(rules[i].get("tile")) for i in won}
+    changes = []
+    for i, tile in won.items():
+        changes.append(f"{kind} {key} rule {i} {rules[i].get('tile')} -> {tile}")
+        rules[i]["tile"] = tile
+    for i, tile in won.items():
+        for j, rule in enumerate(rules):
+            if j not in won and same_rule_but_k(rule, rules[i]) and rule["tile"] == before[i]:
+                changes.append(f"{kind} {key} rule {j} (max_k copy of rule {i}) -> {tile}")
+                rule["tile"] = copy.deepcopy(tile)
+    return changes
+
+
 def write_config(kind: str, runs: list[tuple[int, object, dict, float]], device: str = "cuda") -> str:
     """Write the winners of runs into kind's data file under device's name; returns the file's path."""
     path = os.path.normpath(os.path.join(CONFIGS, f"{kind}.json"))
@@ -48,10 +76,7 @@ def write_config(kind: str, runs: list[tuple[int, object, dict, float]], device:
         table = json.load(f)
     key = tile_configs.device_key(torch.device(device))
     entry = table["devices"].get(key) or copy.deepcopy(table["devices"][table["default_device"]])
-    changes = []
-    for rule, tile in winners(runs).items():
-        changes.append(f"{kind} {key} rule {rule} {entry['rules'][rule].get('tile')} -> {tile}")
-        entry["rules"][rule]["tile"] = tile
+    changes = apply_winners(entry, kind, key, runs)
     table["devices"][key] = entry
     tile_configs.check_table(kind, table, path)  # before anything is written
     print("\n".join(changes), flush=True)

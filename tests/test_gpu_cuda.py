@@ -285,7 +285,7 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
     y_triton = gemm_triton.grouped_w4a4(pairs, offs, *w, a_rows=tok, config=TritonGemmConfig(block_m=16, block_n=64))
     y_triton = y_triton[:rows]
     for big in (0, 8192, 32768, 131072):  # the tuned tiles at this size, and those of larger row buckets
-        kw = tile_configs.wgmma_config(big, n, device="cuda") if big else None
+        kw = tile_configs.wgmma_config(big, n, device="cuda", k=k) if big else None
         y = wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, *w, a_rows=tok, config=kw)[:rows]
         assert y.dtype == torch.bfloat16
         assert torch.allclose(y.float(), y_triton.float(), rtol=1e-2, atol=1e-3 * y_triton.float().abs().max().item())

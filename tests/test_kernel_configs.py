@@ -203,6 +203,29 @@ def test_triton_rules_by_k_separate_fc2_from_fc1(monkeypatch):
         tile_configs.check_table("triton_gemm", bad, "test")
 
 
+def test_an_fc1_sweep_moves_fc2_copies_until_fc2_is_swept():
+    """dev/tile_writer.py: a swept rule takes its winner; its max_k copy follows while it still holds the
+    rule's old tile, not once fc2 has tiles of its own; rules nothing was timed in keep theirs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tile_writer", ROOT / "dev" / "tile_writer.py")
+    tw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tw)
+    a, b, c = ({"block_m": 16, "block_n": bn, "block_k": 128, "num_warps": 4, "num_stages": 3} for bn in (32, 64, 128))
+    entry = {"rules": [
+        {"max_k": 1024, "max_rows": 4096, "tile": dict(a)},
+        {"max_k": 1024, "tile": dict(a)},
+        {"max_rows": 4096, "tile": dict(a)},
+        {"tile": dict(a)},
+    ]}  # fmt: skip
+    fc1 = [(2, 128, b, 10.0), (2, 128, c, 12.0), (2, 512, b, 20.0), (2, 512, c, 19.0)]  # b wins: 30 vs 31 us
+    changes = tw.apply_winners(entry, "triton_gemm", "X", fc1)
+    assert [r["tile"] for r in entry["rules"]] == [b, a, b, a] and len(changes) == 2, changes
+    tw.apply_winners(entry, "triton_gemm", "X", [(0, 128, c, 5.0)])  # fc2's own sweep
+    tw.apply_winners(entry, "triton_gemm", "X", [(2, 128, a, 1.0)])  # fc1 again: fc2's tile is its own now
+    assert [r["tile"] for r in entry["rules"]] == [c, a, a, a]
+
+
 def _imports(path: pathlib.Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):

@@ -237,8 +237,9 @@ def test_stages_in_worker_processes(tmp_path, capsys):
     assert "  | " in echoed and "naive: done (2 steps)" in echoed
     assert os.path.exists(rd.path("logs", "naive.log")) and len(RunDir(rd.root).done("naive")["rows"]) == 2
     timing = rd.timing()  # what the next piece plans with: each stage's process start and stop, measured
-    assert {"sft_start_s", "start_s", "stop_s", "first_step_s"} <= set(timing), timing
-    assert all(0 < timing[k] < 120 for k in ("sft_start_s", "start_s", "stop_s")), timing
+    measured = ("sft_start_s", "start_s", "engine_stop_s", "stop_s")
+    assert {*measured, "first_step_s"} <= set(timing), timing
+    assert all(0 < timing[k] < 120 for k in measured), timing
     assert not any(os.path.exists(os.path.join(rd.stage_dir(s), "closing.json")) for s in ("sft", *spec.arms))
     # a broken SFT checkpoint: the arms fail one by one, each with its traceback, and the study says so
     rd2 = RunDir(str(tmp_path / "run2"))
@@ -253,6 +254,30 @@ def test_stages_in_worker_processes(tmp_path, capsys):
         assert "Traceback" in err["traceback"] and err["error"], err
     assert any(line.startswith("naive: FAILED: ") for line in lines), lines
     assert "  ! " in capsys.readouterr().out  # the traceback's tail is in the piece's own output
+
+
+def test_a_worker_stopped_before_its_first_step_records_a_start_that_long(tmp_path, monkeypatch):
+    """A stage whose process outlives the deadline before any step is stopped, and its start is recorded as
+    at least that long, so the next piece does not plan with the same too small estimate again."""
+    import time
+
+    from quads_megatron.rl import study
+    from quads_megatron.rl.runs import Budget
+
+    spec = StudySpec(
+        arms=("bf16",), model=MODEL_PRESETS["tiny"], engine="emulate", digits=2, steps=1, prompts=2, group=2,
+        sft_steps=3, sft_batch=8,
+    ).validate()  # fmt: skip
+    rd = RunDir(str(tmp_path / "run"))
+    rd.init(spec)
+    monkeypatch.setattr(study, "GRACE_S", 0.0)  # stopped 1 s after launch: imports and Megatron take longer
+    monkeypatch.setattr(study, "KILL_AFTER_S", 2.0)
+    lines: list[str] = []
+    t0 = time.time()
+    study.run_in_worker(rd, "sft", Budget(time.time()), lines.append)
+    assert any("stopping it" in x for x in lines), lines
+    assert study.progress(rd, "sft") == 0
+    assert 1.0 <= rd.timing()["sft_start_s"] <= time.time() - t0, rd.timing()
 
 
 def test_a_worker_killed_by_sglang_points_at_the_schedulers_traceback():

@@ -433,7 +433,7 @@ def test_split_consumers_launch_one_warpgroup_per_partition(monkeypatch):
     # with no config the tuned tiles for this many rows run, their split and warps as launched
     a, s, offs = torch.zeros(2048, k, dtype=torch.float16), torch.ones(2048), torch.tensor([1024, 2048])
     wg.grouped_w4a4_wgmma(a, s, offs, *w)
-    cfg = tile_configs.wgmma_config(2048, n)
+    cfg = tile_configs.wgmma_config(2048, n, k=k)
     if cfg.loader_warps:
         c = fake.consts[3]
         assert (c["SPLIT"], c["NW"], c["num_warps"]) == (cfg.split, cfg.num_warps, 4 if cfg.split else cfg.num_warps)
@@ -469,7 +469,7 @@ def test_narrow_tiles_need_loader_warps_and_32_token_tiles(monkeypatch):
     for narrow, bt in ((True, 32), (False, 32), (True, 64), (False, 16)):
         wg.grouped_w4a4_wgmma(a, s, offs, *w, config=dataclasses.replace(tile, narrow=narrow, block_t=bt))
     assert [(c["NARROW"], c["BT"]) for c in fake.consts] == [(True, 32), (False, 32), (True, 64), (False, 16)]
-    cfg = tile_configs.wgmma_config(2048, n)
+    cfg = tile_configs.wgmma_config(2048, n, k=k)
     wg.grouped_w4a4_wgmma(a, s, offs, *w)
     assert not cfg.loader_warps or fake.consts[-1]["NARROW"] == cfg.narrow
     for bad in (dict(loader_warps=0, split=False, maxnreg=None), dict(block_t=16)):
@@ -511,7 +511,7 @@ def test_every_tuned_tile_runs_where_its_rule_picks_it():
             for n in range(64, 4097, 64):
                 for dtype in (torch.bfloat16, torch.float16, torch.float32):
                     entry = tile_configs.load_table("wgmma_gemm")["devices"][device]
-                    facts = dict(rows=r, n=n, out_bytes=dtype.itemsize)
-                    rule = next(x for x in entry["rules"] if tile_configs.rule_holds(x, facts))
-                    for k in (256, 384, 512, 2048):
+                    for k in (256, 384, 512, 768, 1024, 2048):
+                        facts = dict(rows=r, n=n, out_bytes=dtype.itemsize, k=k)
+                        rule = next(x for x in entry["rules"] if tile_configs.rule_holds(x, facts))
                         wg.fit_tile(WgmmaConfig(**rule["tile"]), n, k, dtype)

@@ -5,8 +5,9 @@
 #                                                   triton-tiles act-tiles engine-bench rl rl-smoke rl-test cpu
 # tiles / triton-tiles / act-tiles sweep the Gluon GEMM's, the Triton GEMM's and the activation quantization's
 # tiles on this GPU (dev/probe_*_tiles.py --write-config; act-tiles: fc1's, then fc2's gated quantization;
-# arguments from TILES_ARGS, e.g. "--gemm fc2" for the GEMMs' fc2 rules) and copy the rewritten
-# configs/*.json to $OUT (commit them from there).
+# arguments from TILES_ARGS, e.g. "--gemm fc2" for the GEMMs' fc2 rules, and ACT_TILES_ARGS) and copy the
+# rewritten configs/*.json to $OUT (commit them from there). A GEMM sweep of fc1 also moves fc2's rules that
+# still hold the same tile (dev/tile_writer.py); `--gemm fc2` then tunes fc2's own.
 # engine is the engine test without the README server command (~7.5 min), server that one alone (~4 min; needs
 # the sga carry's audio wheels). engine-bench, block and pieces take extra arguments from BENCH_ENGINE_ARGS,
 # BLOCK_ARGS and PIECES_ARGS. rl runs one resumable piece of the `quads rl` study in $RL_RUN (default
@@ -41,8 +42,8 @@ for spec in "$@"; do
     triton-tiles) timeout "$secs" python3 dev/probe_gemm_tiles.py --write-config --budget-s $((secs - 60)) \
           ${TILES_ARGS:-} > "$log" 2>&1
         rc=$?; cp src/quads_megatron/kernels/configs/triton_gemm.json "$OUT"/ 2>/dev/null; (exit $rc) ;;
-    act-tiles) timeout "$secs" bash -c "python3 dev/probe_act_quant_tiles.py --write-config ${TILES_ARGS:-} &&
-          python3 dev/probe_act_quant_tiles.py --write-config --gated ${TILES_ARGS:-}" > "$log" 2>&1
+    act-tiles) timeout "$secs" bash -c "python3 dev/probe_act_quant_tiles.py --write-config ${ACT_TILES_ARGS:-} &&
+          python3 dev/probe_act_quant_tiles.py --write-config --gated ${ACT_TILES_ARGS:-}" > "$log" 2>&1
         rc=$?; cp src/quads_megatron/kernels/configs/act_quant.json "$OUT"/ 2>/dev/null; (exit $rc) ;;
     engine-bench) timeout "$secs" python3 benchmarks/bench_engine.py --out "$OUT" ${BENCH_ENGINE_ARGS:-} > "$log" 2>&1 ;;
     rl) run=${RL_RUN:-/tmp/rl_run}

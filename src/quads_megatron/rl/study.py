@@ -29,18 +29,27 @@ from quads_megatron.rl.task import Task
 Log = Callable[[str], None]
 #: estimates before anything was measured, per engine kind, in seconds: start (the stage's process launched
 #: until its first step can begin: imports, Megatron, the trainer, its weights and, for an arm, the engine),
-#: first step of a process (warm-up: kernels compile), later steps, save, stop (from the stage's last work
-#: until its process has exited: engine shutdown included)
+#: first step of a process (warm-up: kernels compile), later steps, save, engine_stop (the engine's
+#: shutdown), stop (from the stage's closing mark, its last act, until its process has exited)
 DEFAULTS = {
     "sglang": {
         "start_s": 100.0,
         "sft_start_s": 40.0,
         "first_step_s": 30.0,
         "step_s": 10.0,
-        "stop_s": 20.0,
         "save_s": 5.0,
+        "engine_stop_s": 15.0,
+        "stop_s": 10.0,
     },
-    "emulate": {"start_s": 3.0, "sft_start_s": 1.0, "first_step_s": 2.0, "step_s": 2.0, "stop_s": 0.5, "save_s": 0.5},
+    "emulate": {
+        "start_s": 3.0,
+        "sft_start_s": 1.0,
+        "first_step_s": 2.0,
+        "step_s": 2.0,
+        "save_s": 0.5,
+        "engine_stop_s": 0.2,
+        "stop_s": 0.3,
+    },
 }
 SFT_WARMUP = 50  # the SFT learning rate rises linearly over this many steps (a quarter of sft_steps at most)
 SFT_WINDOW = 5  # the SFT target is met when the mean token accuracy of this many last steps reaches it
@@ -59,7 +68,8 @@ def estimate(rd: RunDir, spec: StudySpec, key: str) -> float:
 
 
 def mark_closing(rd: RunDir, stage: str) -> None:
-    """The moment a stage's work ended (before the engine's shutdown): the orchestrator times stop_s from it."""
+    """The stage's last act (after its engine's shutdown): the orchestrator times stop_s, the process's exit,
+    from it."""
     write_json(os.path.join(rd.stage_dir(stage), "closing.json"), {"t": time.time()})
 
 
@@ -83,6 +93,8 @@ class StepClock:
         self.first = estimate(rd, spec, f"{prefix}first_step_s")
         self.later = estimate(rd, spec, f"{prefix}step_s")
         self.stop = estimate(rd, spec, "save_s") + estimate(rd, spec, "stop_s")
+        if not prefix:  # an arm's engine shuts down too
+            self.stop += estimate(rd, spec, "engine_stop_s")
         self.seen: list[float] = []
         self.n = 0
 
@@ -214,6 +226,15 @@ def run_arm(rd: RunDir, spec: StudySpec, name: str, budget: Budget, log: Log, la
     clock = StepClock(rd, spec)
     trainer = Trainer(spec.model, device, spec.seed, spec.lr, qat=arm.qat)
     rollout = None
+
+    def close_rollout() -> None:  # timed: engine_stop_s
+        nonlocal rollout
+        if rollout is not None:
+            t0 = time.perf_counter()
+            rollout.close()
+            rollout = None
+            rd.record_time("engine_stop_s", time.perf_counter() - t0)
+
     try:
         state = rd.load_state(name)
         rows: list[dict] = []
@@ -266,9 +287,7 @@ def run_arm(rd: RunDir, spec: StudySpec, name: str, budget: Budget, log: Log, la
                 log(f"{name}: all steps done; the attribution waits for the next piece (checkpointed)")
                 return False
             last = attribution_batch(trainer, rollout, task, spec)
-        if rollout is not None:
-            rollout.close()
-            rollout = None
+        close_rollout()
         attribution = None
         if wants_attribution:
             from quads_megatron.rl.attribution import attribute
@@ -282,10 +301,9 @@ def run_arm(rd: RunDir, spec: StudySpec, name: str, budget: Budget, log: Log, la
         log(f"{name}: done ({len(rows)} steps)")
         return True
     finally:
-        mark_closing(rd, name)
-        if rollout is not None:
-            rollout.close()
+        close_rollout()
         trainer.close()
+        mark_closing(rd, name)
 
 
 def step_line(name: str, row: dict, steps: int) -> str:
@@ -359,7 +377,8 @@ def worker_failure(returncode: int, log_text: str) -> dict:
 def run_in_worker(rd: RunDir, stage: str, budget: Budget, log: Log) -> None:
     """The stage in a worker process (own process group, killed as a group past the deadline + grace)."""
     os.makedirs(rd.path("logs"), exist_ok=True)
-    cmd = [sys.executable, "-m", "quads_megatron.rl.study", rd.root, stage, "--launched", repr(time.time())]
+    launched = time.time()
+    cmd = [sys.executable, "-m", "quads_megatron.rl.study", rd.root, stage, "--launched", repr(launched)]
     if budget.deadline is not None:
         cmd += ["--deadline", repr(budget.deadline)]
     if budget.piece_steps is not None:
@@ -376,14 +395,18 @@ def run_in_worker(rd: RunDir, stage: str, budget: Budget, log: Log) -> None:
     previous = signal.signal(signal.SIGTERM, terminated)
     with open(log_path, "a") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0)
+        stopped = False
         try:
             proc.wait(timeout=None if budget.deadline is None else max(1.0, budget.remaining() + GRACE_S))
         except subprocess.TimeoutExpired:
+            stopped = True
             log(f"{stage}: the worker outlived the deadline by {GRACE_S:.0f} s; stopping it")
         finally:
             signal.signal(signal.SIGTERM, previous)
             if proc.poll() is None:
                 stop_group(proc)
+    if stopped and progress(rd, stage) == before:  # stopped before its first step: its start took at least this
+        rd.record_time("sft_start_s" if stage == "sft" else "start_s", time.time() - launched)
     budget.steps += max(0, progress(rd, stage) - before)
     with open(log_path, errors="replace") as f:
         f.seek(offset)
@@ -412,6 +435,8 @@ def run_study(rd: RunDir, spec: StudySpec, budget: Budget, log: Log, workers: bo
         first = estimate(rd, spec, "sft_first_step_s" if stage == "sft" else "first_step_s")
         need = estimate(rd, spec, "sft_start_s" if stage == "sft" else "start_s") + 1.5 * first
         need += estimate(rd, spec, "save_s") + estimate(rd, spec, "stop_s")
+        if stage != "sft":
+            need += estimate(rd, spec, "engine_stop_s")
         if not budget.allows(need):
             log(f"time budget: {budget.remaining():.0f} s left, {stage} needs ~{need:.0f} s; run again to resume")
             return "unfinished"
