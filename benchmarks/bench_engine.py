@@ -352,7 +352,8 @@ def resume_path(args) -> str | None:
 
 
 def load_results(args) -> dict:
-    """A fresh result set, or the earlier one --resume names (its settings must be this run's)."""
+    """A fresh result set, or the earlier one --resume names (its settings and device must be this run's:
+    ratios between arms timed on different GPUs would mislead)."""
     settings = settings_of(args)
     path = resume_path(args)
     if path is None:
@@ -363,6 +364,12 @@ def load_results(args) -> dict:
         raise SystemExit(
             f"bench_engine: --resume: {path} holds settings {results.get('settings')}, this run {settings}; "
             "use the same settings or another --out"
+        )
+    there, here = (results.get("device") or {}).get("name"), bench_env.device_info()["name"]
+    if there is not None and there != here:
+        raise SystemExit(
+            f"bench_engine: --resume: {path} was measured on {there}, this is {here}; rerun every arm here "
+            "(another --out) or resume on that device"
         )
     return results
 

@@ -1,11 +1,14 @@
 """Device probe: activation-quant kernel (decoded operand; plain, static RAC 50% and dynamic RAC 50%)
 over rows per program and warps, against its HBM floor (input in + fp16 operand out at 3.3 TB/s).
 
-python dev/probe_act_quant_tiles.py [--rows 2048,16384,131072] [--order pairs|wgmma] [--gated] [--write-config]
---gated: fc2's quantization (input [rows, 2I] = [gate | up], I = 768, SiLU(gate) * up quantized),
-otherwise fc1's ([rows, 2048]). (CUDA GPU; CUDA-graph replay timings)
---write-config: the winning (block_m, num_warps) of each rule the probed rows and modes fall in into
-configs/act_quant.json under this GPU's name (dev/tile_writer.py; run once plain and once --gated).
+python dev/probe_act_quant_tiles.py [--rows 128,2048,16384,131072] [--order auto|pairs|wgmma]
+    [--inputs fc1|fc2|both] [--write-config]
+--inputs: fc1's quantization ([rows, 2048]), fc2's (input [rows, 2I] = [gate | up], I = 768, SiLU(gate) *
+up quantized), or both in one sweep. --order auto: the order moe_w4a4 uses at that size ("wgmma" above
+1024 rows, where the Gluon GEMM runs; "pairs" below). (CUDA GPU; CUDA-graph replay timings)
+--write-config: the winning (block_m, num_warps) of each rule the probed points fall in into
+configs/act_quant.json under this GPU's name (dev/tile_writer.py). Rules that do not state `gated` hold
+for both inputs: sweep --inputs both, so that one writer sees all of their points.
 """
 
 import argparse
@@ -30,46 +33,52 @@ def t(fn) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="2048,16384,131072")
-    ap.add_argument("--order", default="pairs", choices=["pairs", "wgmma"])
-    ap.add_argument("--gated", action="store_true")
+    ap.add_argument("--rows", default="128,2048,16384,131072")
+    ap.add_argument("--order", default="auto", choices=["auto", "pairs", "wgmma"])
+    ap.add_argument("--inputs", default="both", choices=["fc1", "fc2", "both"])
     ap.add_argument("--write-config", action="store_true", help="write the winners into configs/act_quant.json")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    k = 768 if args.gated else 2048
-    width = 2 * k if args.gated else k
-    runs = []  # (rule, (rows, mode), tile, us) for --write-config
-    for rows in (int(r) for r in args.rows.split(",")):
-        x = (
-            torch.randn(rows, width, generator=g, device="cuda")
-            * torch.exp(torch.randn(width, generator=g, device="cuda"))
-        ).bfloat16()
-        h = moe_block.gated_activation(x) if args.gated else x
-        plan = rac_plan.RACPlan.from_scores(reference.residual_block_scores(h[:256].float()).sum(0), k // 2)
-        mask = plan.block_mask("cuda").to(torch.int8)
-        modes = {"plain": {}, "static50": dict(plan=plan, block_mask=mask), "dyn50": dict(dynamic_channels=k // 2)}
-        floor = rows * (width * 2 + k * 2) / 3.3e12 * 1e6
+    runs = []  # (rule, (gated, rows, mode), tile, us) for --write-config
+    for gated in {"fc1": (False,), "fc2": (True,), "both": (False, True)}[args.inputs]:
+        k = 768 if gated else 2048
+        width = 2 * k if gated else k
+        for rows in (int(r) for r in args.rows.split(",")):
+            order = args.order if args.order != "auto" else ("wgmma" if rows > 1024 else "pairs")
+            x = (
+                torch.randn(rows, width, generator=g, device="cuda")
+                * torch.exp(torch.randn(width, generator=g, device="cuda"))
+            ).bfloat16()
+            h = moe_block.gated_activation(x) if gated else x
+            plan = rac_plan.RACPlan.from_scores(reference.residual_block_scores(h[:256].float()).sum(0), k // 2)
+            mask = plan.block_mask("cuda").to(torch.int8)
+            modes = {"plain": {}, "static50": dict(plan=plan, block_mask=mask), "dyn50": dict(dynamic_channels=k // 2)}
+            floor = rows * (width * 2 + k * 2) / 3.3e12 * 1e6
 
-        def run(mode, config=None):
-            return t(
-                lambda: act_quant.activation_operand(
-                    x, check=False, order=args.order, gated=args.gated, config=config, **modes[mode]
+            def run(mode, config=None, x=x, order=order, gated=gated, modes=modes):
+                return t(
+                    lambda: act_quant.activation_operand(
+                        x, check=False, order=order, gated=gated, config=config, **modes[mode]
+                    )
                 )
-            )
 
-        for mode in modes:
-            rule = tile_configs.match_rule("act_quant", "cuda", rows=rows, rac=mode != "plain", gated=args.gated)[0]
-            res = []
-            for bm, nw in itertools.product((1, 2, 4), (1, 2, 4, 8)):
-                try:
-                    us = run(mode, ActQuantConfig(block_m=bm, num_warps=nw))
-                except Exception:  # a tile that does not fit: left out
-                    continue
-                res.append((us, bm, nw))
-                runs.append((rule, (rows, mode), {"block_m": bm, "num_warps": nw}, us))
-            best = sorted(res)[:3]
-            top = [(f"bm{b} w{w}", round(u, 1)) for u, b, w in best]
-            print(f"rows {rows} {mode}: floor {floor:.1f} us; tuned {run(mode):.1f} us; best {top}", flush=True)
+            for mode in modes:
+                rule = tile_configs.match_rule("act_quant", "cuda", rows=rows, rac=mode != "plain", gated=gated)[0]
+                res = []
+                for bm, nw in itertools.product((1, 2, 4), (1, 2, 4, 8)):
+                    try:
+                        us = run(mode, ActQuantConfig(block_m=bm, num_warps=nw))
+                    except Exception:  # a tile that does not fit: left out
+                        continue
+                    res.append((us, bm, nw))
+                    runs.append((rule, (gated, rows, mode), {"block_m": bm, "num_warps": nw}, us))
+                best = sorted(res)[:3]
+                top = [(f"bm{b} w{w}", round(u, 1)) for u, b, w in best]
+                print(
+                    f"{'fc2' if gated else 'fc1'} rows {rows} {mode} ({order}): floor {floor:.1f} us; "
+                    f"tuned {run(mode):.1f} us; best {top}",
+                    flush=True,
+                )
     if args.write_config:
         print("written:", write_config("act_quant", runs), flush=True)
 

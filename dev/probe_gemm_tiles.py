@@ -3,7 +3,8 @@ per token count; prints the best tiles, the shipped default (configs/triton_gemm
 that the PTX decode and the integer-op decode give the same output bits on every probed tile.
 
 python dev/probe_gemm_tiles.py [--tokens 16,64,256,1024,4096,16384] [--budget-s 420] [--write-config]
-(CUDA GPU; CUDA-graph replay timings, decoded-operand path, no RAC)
+(CUDA GPU; CUDA-graph replay timings, decoded-operand path, no RAC; fc1 reads its operand by token as
+moe_w4a4 runs it; each rule's current tile is among the candidates, so --write-config keeps it unless beaten)
 --write-config: the winning tile of each row bucket into configs/triton_gemm.json under this GPU's name
 (dev/tile_writer.py); with --gemm fc2 into the rules for K <= max_k (fc2's K is the intermediate size).
 """
@@ -22,6 +23,7 @@ import triton.testing
 from quads_megatron import nvfp4
 from quads_megatron.kernels import act_quant, gemm_triton, tile_configs
 from quads_megatron.kernels.tile_configs import TritonGemmConfig
+from quads_megatron.rollout.moe_block import route
 
 # the benchmark's GPU check of the GEMM's decode, and the writer of the data files
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
@@ -65,27 +67,36 @@ def main() -> None:
     same_bits = True
     runs = []  # (rule, rows, tile, us) for --write-config
     for tokens in (int(t) for t in args.tokens.split(",")):
-        ids = torch.randn(tokens, E, generator=g, device="cuda").topk(TOPK, dim=-1).indices.flatten()
-        offs = torch.cumsum(torch.bincount(ids, minlength=E), 0).to(torch.int32)
+        ids = torch.randn(tokens, E, generator=g, device="cuda").topk(TOPK, dim=-1).indices
+        order, offs, _ = route(ids, E)
         rows = int(offs[-1])
+        # fc1 reads each grouped row's token (quantized once per token), fc2 one operand row per grouped row
+        tok = (order // TOPK).to(torch.int32) if args.gemm == "fc1" else None
         x = (
-            torch.randn(rows, k_in, generator=g, device="cuda")
+            torch.randn(tokens if tok is not None else rows, k_in, generator=g, device="cuda")
             * torch.exp(torch.randn(k_in, generator=g, device="cuda"))
         ).bfloat16()
         op = act_quant.activation_operand(x)
-        rule = tile_configs.match_rule("triton_gemm", "cuda", rows=rows, k=k_in)[0]
+        rule, current = tile_configs.match_rule("triton_gemm", "cuda", rows=rows, k=k_in)
+        candidates = tiles(rows)
+        cur = tuple(current["tile"][f] for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages"))
+        if cur not in candidates:  # the rule's tile is timed too: --write-config keeps it unless beaten
+            candidates.append(cur)
         res = []
-        for bm, bn, bk, nw, ns in tiles(rows):
+        for bm, bn, bk, nw, ns in candidates:
             if time.time() - t0 > args.budget_s:
                 print("budget spent; sweep cut short", flush=True)
                 break
             kw = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
             cfg = TritonGemmConfig(**kw)
             try:
-                y = gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, config=cfg, use_asm=True)
-                same_bits &= torch.equal(y, gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, config=cfg, use_asm=False))
+                y = gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, a_rows=tok, config=cfg, use_asm=True)
+                y0 = gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, a_rows=tok, config=cfg, use_asm=False)
+                same_bits &= torch.equal(y, y0)
                 us = triton.testing.do_bench_cudagraph(
-                    lambda cfg=cfg: gemm_triton.grouped_w4a4(op, offs, wc, wsc, wsd, config=cfg, use_asm=True),
+                    lambda cfg=cfg: gemm_triton.grouped_w4a4(
+                        op, offs, wc, wsc, wsd, a_rows=tok, config=cfg, use_asm=True
+                    ),
                     rep=30,
                     return_mode="median",
                 )

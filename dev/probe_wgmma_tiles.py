@@ -100,6 +100,26 @@ def tiles(rows: int) -> list[tuple]:
     ]
 
 
+#: the fields of a tiles() tuple, in order
+FIELDS = ("block_t", "num_warps", "stages", "chunks", "unroll", "maxnreg", "loader_warps", "ctas_per_sm", "split")
+
+
+def full_fields(f: dict) -> dict:
+    """Every WgmmaConfig field of a tile (defaults filled in, split a bool), so that equal tiles compare equal."""
+    out = {x.name: x.default for x in dataclasses.fields(WgmmaConfig) if x.default is not dataclasses.MISSING}
+    out.update(f)
+    out["split"] = bool(out["split"])
+    return out
+
+
+def tile_name(f: dict) -> str:
+    """How a tile is printed (and what --match searches)."""
+    name = f"BT{f['block_t']} w{f['num_warps']} s{f['stages']} c{f.get('chunks', 1)} u{f.get('unroll', 1)} "
+    name += f"r{f.get('maxnreg') or '-'} ws{f.get('loader_warps', 0)} p{f.get('ctas_per_sm', 0)}"
+    flags = [("split", "split"), ("mask_rows", "masked rows"), ("narrow", "narrow"), ("tma_store", "tma store")]
+    return name + "".join(f" {text}" for key, text in flags if f.get(key))
+
+
 def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
 
@@ -158,41 +178,34 @@ def main() -> None:
         want = gemm_triton.grouped_w4a4(pairs, offs, wc, wsc, wsd, out_dtype=torch.float32, a_rows=tok)
         want16 = gemm_triton.grouped_w4a4(pairs, offs, wc, wsc, wsd, a_rows=tok)
         triton_us = bench(lambda: gemm_triton.grouped_w4a4(pairs, offs, wc, wsc, wsd, a_rows=tok))
-        rule = tile_configs.match_rule("wgmma_gemm", "cuda", rows=rows, n=n_out, out_bytes=2, k=k_in)[0]
+        rule, current = tile_configs.match_rule("wgmma_gemm", "cuda", rows=rows, n=n_out, out_bytes=2, k=k_in)
         print(
             f"tokens {tokens} rows {rows}: bf16 {bf16:.1f} us, fp8 {fp8:.1f} us, triton gemm {triton_us:.1f} us "
             f"({bf16 / triton_us:.2f}x bf16)",
             flush=True,
         )
         res = []
+        # --write-config: rows past an expert zero-filled (faster since c602de7), narrow tiles tried, and the
+        # rule's current tile timed too, so that the writer keeps it unless a candidate beats it
+        masks = (True,) if args.write_config else ((False, True) if args.mask_rows else (False,))
+        narrows = args.narrow or args.write_config
         variants = [
-            ((*t, False)[:9], m, nr)
+            full_fields({**dict(zip(FIELDS, (*t, False)[:9], strict=True)), "mask_rows": m, "narrow": nr})
             for t in tiles(rows)
-            for m in ((False, True) if args.mask_rows else (False,))
-            for nr in ((False, True) if args.narrow and t[6] and t[0] >= 32 else (False,))
+            for m in masks
+            for nr in ((False, True) if narrows and t[6] and t[0] >= 32 else (False,))
         ]
-        for (bt, nw, st, kc, un, regs, lw, cps, split), masked, narrow in variants:
-            name = f"BT{bt} w{nw} s{st} c{kc} u{un} r{regs or '-'} ws{lw} p{cps}" + (" split" if split else "")
-            name += (" masked rows" if masked else "") + (" narrow" if narrow else "")
+        if args.write_config and full_fields(current["tile"]) not in variants:
+            variants.append(full_fields(current["tile"]))
+        for fields in variants:
+            name = tile_name(fields)
             if not re.search(args.match, name):
                 continue
             if time.time() - t0 > args.budget_s:
                 print("budget spent; sweep cut short", flush=True)
                 break
             try:
-                kw = WgmmaConfig(
-                    block_t=bt,
-                    num_warps=nw,
-                    stages=st,
-                    chunks=kc,
-                    unroll=un,
-                    maxnreg=regs,
-                    loader_warps=lw,
-                    ctas_per_sm=cps,
-                    split=bool(split),
-                    mask_rows=masked,
-                    narrow=narrow,
-                )
+                kw = WgmmaConfig(**fields)
                 try:
                     got = wg.grouped_w4a4_wgmma(
                         perm.values, perm.global_decode, offs, wc, wsc, wsd, torch.float32, tok, config=kw
@@ -209,7 +222,7 @@ def main() -> None:
                     )
                 )
             except Exception as e:  # out of shared memory / registers: report and go on
-                print(f"  tile {kw} failed: {repr(e)[:160]}", flush=True)
+                print(f"  tile {name} failed: {repr(e)[:160]}", flush=True)
                 continue
             res.append((us, name, err))
             runs.append((rule, rows, dataclasses.asdict(kw), us))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The `quads rl` study on one H200: a Megatron-Core MoE (TE spec, TEGroupedMLP) trained with GRPO, an SGLang
 # engine on the same GPU synced every step; arms bf16, naive NVFP4, QUADS, the RAC sweep and naive + TIS
-# (docs/rl.md). Runs in pieces of at most 8 minutes, each resuming from the last checkpoint, until done.
+# (docs/rl.md). Runs in pieces of 8 minutes (--budget-s 480; a stage that overruns it is stopped within 30 s
+# more), each resuming from the last checkpoint, until done.
 #   bash examples/rl_h200.sh [DIR] [quads rl arguments...]     e.g. bash examples/rl_h200.sh runs/rl --arms main
 # Without a GPU: quads rl --out runs/rl_dry --dry-run (a tiny model and a CPU stand-in for the engine).
 set -uo pipefail

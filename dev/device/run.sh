@@ -4,18 +4,21 @@
 #   bash dev/device/run.sh PART[:SECONDS] ...      parts: cuda te engine server sync block pieces gemm tiles
 #                                                   triton-tiles act-tiles engine-bench rl rl-smoke rl-test cpu
 # tiles / triton-tiles / act-tiles sweep the Gluon GEMM's, the Triton GEMM's and the activation quantization's
-# tiles on this GPU (dev/probe_*_tiles.py --write-config; act-tiles: fc1's, then fc2's gated quantization;
-# arguments from TILES_ARGS, e.g. "--gemm fc2" for the GEMMs' fc2 rules, and ACT_TILES_ARGS) and copy the
-# rewritten configs/*.json to $OUT (commit them from there). A GEMM sweep of fc1 also moves fc2's rules that
-# still hold the same tile (dev/tile_writer.py); `--gemm fc2` then tunes fc2's own.
+# tiles on this GPU (dev/probe_*_tiles.py --write-config; act-tiles: fc1's and fc2's gated quantization in
+# one sweep; arguments from TILES_ARGS, e.g. "--gemm fc2" for the GEMMs' fc2 rules, and ACT_TILES_ARGS) and,
+# when the sweep finished, copy the rewritten configs/*.json to $OUT. Each call starts from the checkout's
+# files: copy $OUT's json into src/quads_megatron/kernels/configs/ before a later call sweeps more (fc2 after
+# fc1), and commit them from there. A GEMM sweep of fc1 also moves fc2's rules that still hold the same tile
+# (dev/tile_writer.py); `--gemm fc2` then tunes fc2's own. The sweeps time tiles given explicitly; parts that
+# run later in the same call still use the installed (untuned) files.
 # engine is the engine test without the README server command (~7.5 min), server that one alone (~4 min; needs
 # the sga carry's audio wheels). engine-bench, block and pieces take extra arguments from BENCH_ENGINE_ARGS,
 # BLOCK_ARGS and PIECES_ARGS. rl runs one resumable piece of the `quads rl` study in $RL_RUN (default
 # /tmp/rl_run; kept while the machine stays warm) with arguments from RL_ARGS, its budget SECONDS - 90; call
 # it again to resume. rl-smoke (e.g. rl-smoke:330): the study of tests/gpu/test_rl_gpu.py (arms bf16, naive,
 # quads for 3 steps on a 2-layer model) in /tmp/rl_smoke, budget SECONDS - 60; it resumes too, and rl-test
-# then checks that directory (resuming it if needed). rl and rl-smoke copy the summary (rl_summary.md/.json,
-# plots) to $OUT.
+# then checks that directory (resuming it if needed). rl copies the summary (rl_summary.md/.json, plots) to
+# $OUT, rl-smoke its rl_summary.md/.json to $OUT/smoke (few files come back per call).
 set -u
 . /tmp/quads_env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -38,13 +41,12 @@ for spec in "$@"; do
     gemm) timeout "$secs" python3 benchmarks/bench_moe_w4a4.py --out "$OUT" > "$log" 2>&1 ;;
     tiles) timeout "$secs" python3 dev/probe_wgmma_tiles.py --write-config --budget-s $((secs - 60)) ${TILES_ARGS:-} \
           > "$log" 2>&1
-        rc=$?; cp src/quads_megatron/kernels/configs/wgmma_gemm.json "$OUT"/ 2>/dev/null; (exit $rc) ;;
+        rc=$?; [ $rc -eq 0 ] && cp src/quads_megatron/kernels/configs/wgmma_gemm.json "$OUT"/; (exit $rc) ;;
     triton-tiles) timeout "$secs" python3 dev/probe_gemm_tiles.py --write-config --budget-s $((secs - 60)) \
           ${TILES_ARGS:-} > "$log" 2>&1
-        rc=$?; cp src/quads_megatron/kernels/configs/triton_gemm.json "$OUT"/ 2>/dev/null; (exit $rc) ;;
-    act-tiles) timeout "$secs" bash -c "python3 dev/probe_act_quant_tiles.py --write-config ${ACT_TILES_ARGS:-} &&
-          python3 dev/probe_act_quant_tiles.py --write-config --gated ${ACT_TILES_ARGS:-}" > "$log" 2>&1
-        rc=$?; cp src/quads_megatron/kernels/configs/act_quant.json "$OUT"/ 2>/dev/null; (exit $rc) ;;
+        rc=$?; [ $rc -eq 0 ] && cp src/quads_megatron/kernels/configs/triton_gemm.json "$OUT"/; (exit $rc) ;;
+    act-tiles) timeout "$secs" python3 dev/probe_act_quant_tiles.py --write-config ${ACT_TILES_ARGS:-} > "$log" 2>&1
+        rc=$?; [ $rc -eq 0 ] && cp src/quads_megatron/kernels/configs/act_quant.json "$OUT"/; (exit $rc) ;;
     engine-bench) timeout "$secs" python3 benchmarks/bench_engine.py --out "$OUT" ${BENCH_ENGINE_ARGS:-} > "$log" 2>&1 ;;
     rl) run=${RL_RUN:-/tmp/rl_run}
         timeout "$secs" python3 -m quads_megatron.cli rl --out "$run" --budget-s $((secs - 90)) ${RL_ARGS:-} > "$log" 2>&1

@@ -287,6 +287,10 @@ def test_bench_results_merge_ratios_check_and_markdown(tmp_path, monkeypatch):
     assert be.load_results(args)["arms"] == res["arms"]  # from the workdir's copy
     with pytest.raises(SystemExit, match="settings"):
         be.load_results(be.parse_args([*argv, "--layers", "16", "--resume"]))
+    res["device"] = {"name": "NVIDIA H200", "sm": "90", "memory_gib": 139.8, "driver": "x"}  # another device
+    be.finish(res, str(tmp_path / "bench_engine.json"), args)
+    with pytest.raises(SystemExit, match="measured on NVIDIA H200, this is cpu"):
+        be.load_results(args)
 
 
 @pytest.mark.parametrize(
