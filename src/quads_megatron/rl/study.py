@@ -257,7 +257,10 @@ def run_arm(rd: RunDir, spec: StudySpec, name: str, budget: Budget, log: Log, la
                     "rollout_rng": rollout.rng_state() if rollout is not None else state_rng,
                 },
             )
-            write_json(os.path.join(rd.stage_dir(name), "progress.json"), {"step": len(rows), "rows": rows})
+            write_json(
+                os.path.join(rd.stage_dir(name), "progress.json"),
+                {"step": len(rows), "rows": rows, "engine_done": len(rows) >= spec.steps and last is not None},
+            )
 
         state_rng = state["rollout_rng"] if state is not None else {}
         wants_attribution = spec.attribution and arm.rollout == "nvfp4"
@@ -432,10 +435,14 @@ def run_study(rd: RunDir, spec: StudySpec, budget: Budget, log: Log, workers: bo
         if rd.done(stage) is not None:
             continue
         started = progress(rd, stage) > 0
+        # an arm whose steps and attribution batch are done needs no engine any more (the attribution is
+        # the trainer's): it starts like the SFT stage
+        saved = read_json(os.path.join(rd.stage_dir(stage), "progress.json"), {}) or {}
+        engine = stage != "sft" and not saved.get("engine_done", False)
         first = estimate(rd, spec, "sft_first_step_s" if stage == "sft" else "first_step_s")
-        need = estimate(rd, spec, "sft_start_s" if stage == "sft" else "start_s") + 1.5 * first
+        need = estimate(rd, spec, "start_s" if engine else "sft_start_s") + 1.5 * first
         need += estimate(rd, spec, "save_s") + estimate(rd, spec, "stop_s")
-        if stage != "sft":
+        if engine:
             need += estimate(rd, spec, "engine_stop_s")
         if not budget.allows(need):
             log(f"time budget: {budget.remaining():.0f} s left, {stage} needs ~{need:.0f} s; run again to resume")
