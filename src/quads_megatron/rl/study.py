@@ -387,7 +387,7 @@ def run_in_worker(rd: RunDir, stage: str, budget: Budget, log: Log) -> None:
     if budget.piece_steps is not None:
         cmd += ["--piece-steps", str(max(0, budget.piece_steps - budget.steps))]
     env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_INTERPRET="0")
-    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS picks the same algorithms run to run
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # fixed cuBLAS workspaces: reproducible GEMMs
     before = progress(rd, stage)
     log_path = rd.path("logs", f"{stage}.log")
     offset = os.path.getsize(log_path) if os.path.exists(log_path) else 0
