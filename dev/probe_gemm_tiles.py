@@ -20,18 +20,15 @@ import time
 import torch
 import triton.testing
 
-from quads_megatron import nvfp4
 from quads_megatron.kernels import act_quant, gemm_triton, tile_configs
 from quads_megatron.kernels.tile_configs import TritonGemmConfig
-from quads_megatron.rollout.moe_block import route
 
-# the benchmark's GPU check of the GEMM's decode, and the writer of the data files
+# the benchmark's GPU check of the GEMM's decode, the writer of the data files, the probes' shapes
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 from bench_moe_w4a4 import check_tile_decode  # noqa: E402
+from probe_wgmma_tiles import HIDDEN, INTER, expert_weights, fc1_rows  # noqa: E402
 from tile_writer import write_config  # noqa: E402
-
-E, HIDDEN, INTER, TOPK = 128, 2048, 768, 8
 
 
 def tiles(rows: int) -> list[tuple[int, int, int, int, int]]:
@@ -61,17 +58,13 @@ def main() -> None:
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
     print("ptx decode exact (all codes x scales):", check_tile_decode("cuda", use_asm=True), flush=True)
-    w = torch.randn(E, n_out, k_in, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
-    wc, wsc, wsd = gemm_triton.stack_expert_weights([nvfp4.quantize(w[e]) for e in range(E)])
-    del w
+    _, (wc, wsc, wsd) = expert_weights(g, n_out, k_in)
     same_bits = True
     runs = []  # (rule, rows, tile, us) for --write-config
     for tokens in (int(t) for t in args.tokens.split(",")):
-        ids = torch.randn(tokens, E, generator=g, device="cuda").topk(TOPK, dim=-1).indices
-        order, offs, _ = route(ids, E)
-        rows = int(offs[-1])
-        # fc1 reads each grouped row's token (quantized once per token), fc2 one operand row per grouped row
-        tok = (order // TOPK).to(torch.int32) if args.gemm == "fc1" else None
+        offs, tok, rows = fc1_rows(tokens, g)
+        if args.gemm == "fc2":  # fc1 reads each grouped row's token, fc2 one operand row per grouped row
+            tok = None
         x = (
             torch.randn(tokens if tok is not None else rows, k_in, generator=g, device="cuda")
             * torch.exp(torch.randn(k_in, generator=g, device="cuda"))

@@ -113,11 +113,11 @@ def full_fields(f: dict) -> dict:
 
 
 def tile_name(f: dict) -> str:
-    """How a tile is printed (and what --match searches)."""
-    name = f"BT{f['block_t']} w{f['num_warps']} s{f['stages']} c{f.get('chunks', 1)} u{f.get('unroll', 1)} "
-    name += f"r{f.get('maxnreg') or '-'} ws{f.get('loader_warps', 0)} p{f.get('ctas_per_sm', 0)}"
+    """How a tile (full_fields) is printed, and what --match searches."""
+    name = f"BT{f['block_t']} w{f['num_warps']} s{f['stages']} c{f['chunks']} u{f['unroll']} "
+    name += f"r{f['maxnreg'] or '-'} ws{f['loader_warps']} p{f['ctas_per_sm']}"
     flags = [("split", "split"), ("mask_rows", "masked rows"), ("narrow", "narrow"), ("tma_store", "tma store")]
-    return name + "".join(f" {text}" for key, text in flags if f.get(key))
+    return name + "".join(f" {text}" for key, text in flags if f[key])
 
 
 def bench(fn) -> float:
