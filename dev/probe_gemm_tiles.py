@@ -71,10 +71,10 @@ def main() -> None:
         ).bfloat16()
         op = act_quant.activation_operand(x)
         rule, current = tile_configs.match_rule("triton_gemm", "cuda", rows=rows, k=k_in)
-        candidates = tiles(rows)
         cur = tuple(current["tile"][f] for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages"))
-        if cur not in candidates:  # the rule's tile is timed too: --write-config keeps it unless beaten
-            candidates.append(cur)
+        # the rule's tile is timed first (a sweep cut short by its budget has timed it): --write-config keeps
+        # it unless beaten
+        candidates = [cur] + [c for c in tiles(rows) if c != cur]
         res = []
         for bm, bn, bk, nw, ns in candidates:
             if time.time() - t0 > args.budget_s:

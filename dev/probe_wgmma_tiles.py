@@ -186,7 +186,7 @@ def main() -> None:
         )
         res = []
         # --write-config: rows past an expert zero-filled (faster since c602de7), narrow tiles tried, and the
-        # rule's current tile timed too, so that the writer keeps it unless a candidate beats it
+        # rule's current tile timed first, so that the writer keeps it unless a candidate beats it
         masks = (True,) if args.write_config else ((False, True) if args.mask_rows else (False,))
         narrows = args.narrow or args.write_config
         variants = [
@@ -195,8 +195,8 @@ def main() -> None:
             for m in masks
             for nr in ((False, True) if narrows and t[6] and t[0] >= 32 else (False,))
         ]
-        if args.write_config and full_fields(current["tile"]) not in variants:
-            variants.append(full_fields(current["tile"]))
+        if args.write_config:  # first, so that a sweep cut short by its budget has timed it
+            variants = [full_fields(current["tile"])] + [v for v in variants if v != full_fields(current["tile"])]
         for fields in variants:
             name = tile_name(fields)
             if not re.search(args.match, name):
