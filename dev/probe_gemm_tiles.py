@@ -28,7 +28,7 @@ sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 from bench_moe_w4a4 import check_tile_decode  # noqa: E402
 from probe_wgmma_tiles import HIDDEN, INTER, expert_weights, fc1_rows  # noqa: E402
-from tile_writer import write_config  # noqa: E402
+from tile_writer import current_first, write_config  # noqa: E402
 
 
 def tiles(rows: int) -> list[tuple[int, int, int, int, int]]:
@@ -72,9 +72,7 @@ def main() -> None:
         op = act_quant.activation_operand(x)
         rule, current = tile_configs.match_rule("triton_gemm", "cuda", rows=rows, k=k_in)
         cur = tuple(current["tile"][f] for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages"))
-        # the rule's tile is timed first (a sweep cut short by its budget has timed it): --write-config keeps
-        # it unless beaten
-        candidates = [cur] + [c for c in tiles(rows) if c != cur]
+        candidates = current_first(cur, tiles(rows))  # --write-config keeps the rule's tile unless beaten
         res = []
         for bm, bn, bk, nw, ns in candidates:
             if time.time() - t0 > args.budget_s:

@@ -31,7 +31,7 @@ from quads_megatron.kernels.tile_configs import WgmmaConfig
 from quads_megatron.rollout.moe_block import route
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
-from tile_writer import write_config  # noqa: E402
+from tile_writer import current_first, write_config  # noqa: E402
 
 E, HIDDEN, INTER, TOPK = 128, 2048, 768, 8
 
@@ -195,8 +195,8 @@ def main() -> None:
             for m in masks
             for nr in ((False, True) if narrows and t[6] and t[0] >= 32 else (False,))
         ]
-        if args.write_config:  # first, so that a sweep cut short by its budget has timed it
-            variants = [full_fields(current["tile"])] + [v for v in variants if v != full_fields(current["tile"])]
+        if args.write_config:
+            variants = current_first(full_fields(current["tile"]), variants)
         for fields in variants:
             name = tile_name(fields)
             if not re.search(args.match, name):

@@ -25,6 +25,12 @@ from quads_megatron.kernels import tile_configs
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "quads_megatron", "kernels", "configs")
 
 
+def current_first(current, candidates: list) -> list:
+    """The rule's current tile first, then the other candidates: a sweep cut short by its time budget has
+    timed the current tile at every point, so the writer keeps it unless a candidate timed there beats it."""
+    return [current] + [c for c in candidates if c != current]
+
+
 def winners(runs: list[tuple[int, object, dict, float]]) -> dict[int, dict]:
     """rule index -> the tile with the least total time over the rule's points (timed at all of them)."""
     out = {}

@@ -226,6 +226,18 @@ def test_an_fc1_sweep_moves_fc2_copies_until_fc2_is_swept():
     assert [r["tile"] for r in entry["rules"]] == [c, a, a, a]
 
 
+def test_a_sweep_times_each_rules_current_tile_first():
+    """dev/tile_writer.current_first: the probes time the rule's tile before any candidate (once), so a sweep
+    cut short by its budget can still keep it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tile_writer", ROOT / "dev" / "tile_writer.py")
+    tw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tw)
+    assert tw.current_first((3,), [(1,), (2,), (3,), (4,)]) == [(3,), (1,), (2,), (4,)]
+    assert tw.current_first({"b": 2}, [{"a": 1}]) == [{"b": 2}, {"a": 1}]
+
+
 def _imports(path: pathlib.Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
