@@ -203,14 +203,20 @@ def test_triton_rules_by_k_separate_fc2_from_fc1(monkeypatch):
         tile_configs.check_table("triton_gemm", bad, "test")
 
 
-def test_an_fc1_sweep_moves_fc2_copies_until_fc2_is_swept():
-    """dev/tile_writer.py: a swept rule takes its winner; its max_k copy follows while it still holds the
-    rule's old tile, not once fc2 has tiles of its own; rules nothing was timed in keep theirs."""
+def _tile_writer():
+    """dev/tile_writer.py as a module (dev/ is not a package)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("tile_writer", ROOT / "dev" / "tile_writer.py")
     tw = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tw)
+    return tw
+
+
+def test_an_fc1_sweep_moves_fc2_copies_until_fc2_is_swept():
+    """dev/tile_writer.py: a swept rule takes its winner; its max_k copy follows while it still holds the
+    rule's old tile, not once fc2 has tiles of its own; rules nothing was timed in keep theirs."""
+    tw = _tile_writer()
     a, b, c = ({"block_m": 16, "block_n": bn, "block_k": 128, "num_warps": 4, "num_stages": 3} for bn in (32, 64, 128))
     entry = {"rules": [
         {"max_k": 1024, "max_rows": 4096, "tile": dict(a)},
@@ -229,11 +235,7 @@ def test_an_fc1_sweep_moves_fc2_copies_until_fc2_is_swept():
 def test_a_sweep_times_each_rules_current_tile_first():
     """dev/tile_writer.current_first: the probes time the rule's tile before any candidate (once), so a sweep
     cut short by its budget can still keep it."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tile_writer", ROOT / "dev" / "tile_writer.py")
-    tw = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tw)
+    tw = _tile_writer()
     assert tw.current_first((3,), [(1,), (2,), (3,), (4,)]) == [(3,), (1,), (2,), (4,)]
     assert tw.current_first({"b": 2}, [{"a": 1}]) == [{"b": 2}, {"a": 1}]
 

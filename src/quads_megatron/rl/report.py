@@ -58,7 +58,7 @@ def collect(rd: RunDir) -> dict[str, Any]:
     out: dict[str, Any] = {"spec": spec.to_dict(), "parameters": spec.model.parameters(), "paper": PAPER, "arms": {}}
     for stage in ["sft", *spec.arms]:
         done = rd.done(stage)
-        prog = read_json(os.path.join(rd.stage_dir(stage), "progress.json"), {}) or {}
+        prog = rd.progress(stage)
         err = read_json(os.path.join(rd.stage_dir(stage), "error.json"))
         rows = (done or prog).get("rows", [])
         rec = {"done": done is not None, "rows": rows, "error": (err or {}).get("error")}

@@ -7,6 +7,7 @@ Layout::
     DIR/spec.json                the study spec; another spec is refused (QuadsError)
     DIR/timing.json              engine start, step and save times seen so far (the budget's estimates)
     DIR/sft/state.pt, done.json  the SFT warm-up: checkpoint, then its final weights and metrics
+    DIR/sft/, DIR/arms/NAME/     progress.json: a stage's steps and metrics so far, with each checkpoint
     DIR/hf/, DIR/engine/         the engine's HF checkpoint (SFT weights) and its `quads convert` outputs
     DIR/arms/NAME/state.pt       an arm's checkpoint: trainer, RNG states, metrics, last batch
     DIR/arms/NAME/done.json      the arm's metrics and attribution once it finished (or its error)
@@ -109,6 +110,14 @@ class RunDir:
     def done(self, stage: str) -> dict | None:
         """The stage's done.json (None while it has not finished)."""
         return read_json(os.path.join(self.stage_dir(stage), "done.json"))
+
+    def progress(self, stage: str) -> dict:
+        """The stage's progress.json, written at each checkpoint ({} before the first): step, rows, and for an
+        arm engine_done (its steps and the attribution's engine batch are done)."""
+        return read_json(os.path.join(self.stage_dir(stage), "progress.json"), {}) or {}
+
+    def save_progress(self, stage: str, record: dict) -> None:
+        write_json(os.path.join(self.stage_dir(stage), "progress.json"), record)
 
     def finish(self, stage: str, record: dict) -> None:
         write_json(os.path.join(self.stage_dir(stage), "done.json"), record)

@@ -145,7 +145,7 @@ def run_sft(rd: RunDir, spec: StudySpec, budget: Budget, log: Log, launched: flo
     while len(rows) < spec.sft_steps and not reached():
         if not budget.allows(clock.need()):
             rd.save_state("sft", {"trainer": trainer.state_dict(), "rows": rows, "task_rng": gen.get_state()})
-            write_json(rd.path("sft", "progress.json"), {"step": len(rows), "rows": rows})
+            rd.save_progress("sft", {"step": len(rows), "rows": rows})
             log(f"sft: stopped at the time budget after {len(rows)} steps (checkpointed)")
             mark_closing(rd, "sft")
             return False
@@ -257,9 +257,8 @@ def run_arm(rd: RunDir, spec: StudySpec, name: str, budget: Budget, log: Log, la
                     "rollout_rng": rollout.rng_state() if rollout is not None else state_rng,
                 },
             )
-            write_json(
-                os.path.join(rd.stage_dir(name), "progress.json"),
-                {"step": len(rows), "rows": rows, "engine_done": len(rows) >= spec.steps and last is not None},
+            rd.save_progress(
+                name, {"step": len(rows), "rows": rows, "engine_done": len(rows) >= spec.steps and last is not None}
             )
 
         state_rng = state["rollout_rng"] if state is not None else {}
@@ -344,7 +343,7 @@ def progress(rd: RunDir, stage: str) -> int:
     done = rd.done(stage)
     if done is not None:
         return len(done.get("rows", []))
-    return int((read_json(os.path.join(rd.stage_dir(stage), "progress.json"), {}) or {}).get("step", 0))
+    return int(rd.progress(stage).get("step", 0))
 
 
 #: a worker still running this long past the deadline is stopped (SIGTERM, SIGKILL KILL_AFTER_S later): a
@@ -437,8 +436,7 @@ def run_study(rd: RunDir, spec: StudySpec, budget: Budget, log: Log, workers: bo
         started = progress(rd, stage) > 0
         # an arm whose steps and attribution batch are done needs no engine any more (the attribution is
         # the trainer's): it starts like the SFT stage
-        saved = read_json(os.path.join(rd.stage_dir(stage), "progress.json"), {}) or {}
-        engine = stage != "sft" and not saved.get("engine_done", False)
+        engine = stage != "sft" and not rd.progress(stage).get("engine_done", False)
         first = estimate(rd, spec, "sft_first_step_s" if stage == "sft" else "first_step_s")
         need = estimate(rd, spec, "start_s" if engine else "sft_start_s") + 1.5 * first
         need += estimate(rd, spec, "save_s") + estimate(rd, spec, "stop_s")
