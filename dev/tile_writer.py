@@ -8,7 +8,7 @@ all of them; rules no point fell in keep their tile, except a max_k copy of a sw
 fc1's) that still holds the swept rule's old tile: it follows the winner until its own sweep (--gemm
 fc2). The device's entry is created from the default device's where the file has none; the whole table
 is checked (tile_configs.check_table) before it replaces the file (a temporary file renamed over it: the
-file is complete or untouched).
+file is complete or untouched), one rule per line as the shipped files are (dumps_table).
 """
 
 from __future__ import annotations
@@ -75,6 +75,18 @@ def apply_winners(entry: dict, kind: str, key: str, runs: list[tuple[int, object
     return changes
 
 
+def dumps_table(obj, depth: int = 0, rules: bool = False) -> str:
+    """A data file's text: JSON indented by two, each rule of a "rules" list on one line (a rule reads as one
+    row, and a sweep's diff names only the rules it changed)."""
+    pad = "  " * depth
+    if isinstance(obj, dict) and obj:
+        items = [f"{pad}  {json.dumps(k)}: {dumps_table(v, depth + 1, k == 'rules')}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(obj, list) and rules and obj:
+        return "[\n" + ",\n".join(f"{pad}  {json.dumps(e)}" for e in obj) + "\n" + pad + "]"
+    return json.dumps(obj)
+
+
 def write_config(kind: str, runs: list[tuple[int, object, dict, float]], device: str = "cuda") -> str:
     """Write the winners of runs into kind's data file under device's name; returns the file's path."""
     path = os.path.normpath(os.path.join(CONFIGS, f"{kind}.json"))
@@ -89,8 +101,7 @@ def write_config(kind: str, runs: list[tuple[int, object, dict, float]], device:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".json.tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(table, f, indent=2)
-            f.write("\n")
+            f.write(dumps_table(table) + "\n")
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -240,6 +240,19 @@ def test_a_sweep_times_each_rules_current_tile_first():
     assert tw.current_first({"b": 2}, [{"a": 1}]) == [{"b": 2}, {"a": 1}]
 
 
+@pytest.mark.parametrize("kind", ["triton_gemm", "wgmma_gemm", "act_quant"])
+def test_shipped_data_files_are_in_the_writers_format(kind):
+    """dev/tile_writer.dumps_table writes what is shipped (one rule per line), so a sweep's diff shows only
+    the rules it changed; and its text reads back as the same table."""
+    tw = _tile_writer()
+    text = (ROOT / "src" / "quads_megatron" / "kernels" / "configs" / f"{kind}.json").read_text()
+    table = json.loads(text)
+    assert tw.dumps_table(table) + "\n" == text
+    rules = table["devices"][table["default_device"]]["rules"]
+    assert len([ln for ln in text.splitlines() if '"tile": {' in ln]) >= len(rules)
+    assert json.loads(tw.dumps_table(table)) == table
+
+
 def _imports(path: pathlib.Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
