@@ -279,6 +279,29 @@ def test_markdown_lists_what_did_not_reproduce(tmp_path):
     assert "- naive: FAILED: RuntimeError: boom (3 steps)" in md
 
 
+def test_the_gap_over_the_run_by_window():
+    """report.arm_trend cuts an arm's steps into consecutive windows; the summary shows them per arm."""
+    r = rows([0.1 * i for i in range(8)], 0.0, 0.0)
+    for i, row in enumerate(r):
+        row[report.GAP], row[report.GAP_MAX], row[report.ENTROPY] = float(i), 10.0 * i, 1.0 - 0.1 * i
+    t = report.arm_trend(r)
+    assert [(w["first_step"], w["last_step"]) for w in t] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert [w["gap_mean"] for w in t] == [0.5, 2.5, 4.5, 6.5]
+    assert [w["gap_max_mean"] for w in t] == [5.0, 25.0, 45.0, 65.0]
+    assert [round(w["reward"], 6) for w in t] == [0.05, 0.25, 0.45, 0.65]
+    assert [(w["first_step"], w["last_step"]) for w in report.arm_trend(r[:3])] == [(0, 0), (1, 1), (2, 2)]
+    data = {
+        "spec": StudySpec(arms=("naive",)).validate().to_dict(),
+        "parameters": 1e8,
+        "arms": {"naive": {"label": "n", "done": True, "rows": r, "summary": report.arm_summary(r), "error": None}},
+        "claims": [],
+    }
+    md = report.markdown(data)
+    assert "## The gap over the run" in md
+    row = "| naive | 0-1 / 2-3 / 4-5 / 6-7 | 0.5000 / 2.5000 / 4.5000 / 6.5000 | 5.000 / 25.000 / 45.000 / 65.000 |"
+    assert row in md
+
+
 # ----------------------------------------------------------------------------- engine responses
 
 

@@ -18,6 +18,7 @@ from quads_megatron.rl.spec import ArmSpec
 GAP = "train/train_rollout_logprob_abs_diff"
 GAP_MAX = "train/train_rollout_logprob_abs_diff_max"
 REWARD = "rollout/raw_reward"
+ENTROPY = "train/entropy_loss"
 #: the paper's numbers (max |logp_rollout - logp_train|), for comparison only
 PAPER = {
     "max_gap": {"naive": 1.3, "quads": 0.86, "bf16": 0.74},
@@ -52,6 +53,29 @@ def arm_summary(rows: list[dict]) -> dict[str, float]:
     }
 
 
+def arm_trend(rows: list[dict], parts: int = 4) -> list[dict[str, float]]:
+    """The arm's step rows in `parts` consecutive windows (fewer if it has fewer steps): per window its first and
+    last step, mean |gap|, mean per-step max gap, mean entropy and reward. Shows whether the gap grows as the
+    policy sharpens (the paper's naive arm drifts, then collapses after ~150 steps)."""
+    n, k = len(rows), min(parts, len(rows))
+    windows = [rows[i * n // k : (i + 1) * n // k] for i in range(k)]
+
+    def mean(w: list[dict], key: str) -> float:
+        return _mean([r[key] for r in w if key in r])
+
+    return [
+        {
+            "first_step": w[0]["step"],
+            "last_step": w[-1]["step"],
+            "gap_mean": mean(w, GAP),
+            "gap_max_mean": mean(w, GAP_MAX),
+            "entropy": mean(w, ENTROPY),
+            "reward": mean(w, REWARD),
+        }
+        for w in windows
+    ]
+
+
 def collect(rd: RunDir) -> dict[str, Any]:
     """Everything the report shows, from the run directory (finished, running and failed stages)."""
     spec = rd.spec()
@@ -70,6 +94,7 @@ def collect(rd: RunDir) -> dict[str, Any]:
         rec |= {"label": arm.label, "rac_ratio": arm.rac_ratio, "qat": arm.qat, "rollout": arm.rollout}
         rec["attribution"] = (done or {}).get("attribution")
         rec["summary"] = arm_summary(rows) if rows else None
+        rec["trend"] = arm_trend(rows)
         out["arms"][stage] = rec
     out["claims"] = claims({n: a["summary"] for n, a in out["arms"].items() if a["summary"]}, spec.arms)
     return out
@@ -241,6 +266,7 @@ def markdown(data: dict) -> str:
             )
         )
     lines += ["", "Gaps are |logp_rollout - logp_train| of the sampled tokens (see docs/rl.md for every metric)."]
+    lines += _trend_table(data)
     attr = {n: a["attribution"] for n, a in data["arms"].items() if a.get("attribution")}
     for name, at in attr.items():
         lines += [
@@ -291,6 +317,42 @@ def markdown(data: dict) -> str:
         if not sft.get("done"):
             lines.append(f"- SFT warm-up {'FAILED: ' + sft['error'] if sft.get('error') else 'incomplete'}")
     return "\n".join(lines) + "\n"
+
+
+def _trend_table(data: dict) -> list[str]:
+    """The "gap over the run" section: one row per arm, each cell its windows' values (arm_trend)."""
+    trends = {n: arm_trend(rows) for n, a in data["arms"].items() if (rows := [r for r in a["rows"] if "step" in r])}
+    if not trends:
+        return []
+    head = ["arm", "steps", "mean abs gap", "max gap per step", "entropy", "reward"]
+
+    def cells(t: list[dict], key: str, fmt: str) -> str:
+        return " / ".join(_f(w[key], fmt) for w in t)
+
+    lines = [
+        "",
+        "## The gap over the run",
+        "",
+        "Each arm's steps in consecutive windows (values separated by /): does the gap grow as the policy sharpens?",
+        "",
+        _row(head),
+        _row(["---"] * len(head)),
+    ]
+    for name, t in trends.items():
+        steps = " / ".join(f"{w['first_step']}-{w['last_step']}" for w in t)
+        lines.append(
+            _row(
+                [
+                    name,
+                    steps,
+                    cells(t, "gap_mean", ".4f"),
+                    cells(t, "gap_max_mean", ".3f"),
+                    cells(t, "entropy", ".3f"),
+                    cells(t, "reward", ".3f"),
+                ]
+            )
+        )
+    return lines
 
 
 # ----------------------------------------------------------------------------- plots
