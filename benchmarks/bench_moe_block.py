@@ -4,8 +4,12 @@ moe intermediate 768, top-8), random routing, the same inputs for every arm, CUD
 * ours: quads_megatron moe_w4a4(impl="auto"), W4A4 NVFP4 (what the quads_nvfp4 SGLang method runs);
   ours_rac50: + dynamic RAC 50%; ours_rac50_static: + static RAC 50% plans (timing depends on the count);
 * sglang_fp8 / sglang_fp8_tensor / sglang_bf16: SGLang's own fused MoE as its engine runs it on Hopper
-  (fused_experts: moe_align_block_size, the tuned Triton GEMMs, fused SiLU*up, top-k sum) for FP8 w8a8
-  block [128, 128] weights, per-tensor FP8 weights (what quantization="fp8" makes online) and bf16;
+  (fused_experts: moe_align_block_size, its Triton GEMMs, fused SiLU*up, top-k sum) for FP8 w8a8
+  block [128, 128] weights, per-tensor FP8 weights (what quantization="fp8" makes online) and bf16, each
+  with the kernel config SGLang ships for this GPU (its default where it ships none: on the H100);
+* sglang_fp8_tuned: the FP8 block arm with the fastest of SGLang's own config and PEER_GRID at each size
+  (what SGLang's fused-MoE tuning script would give it), so a GPU without a shipped config is not an
+  untuned peer; the winners are written in SGLang's config-file format (sglang_fp8_block_tuned.json);
 * torch_bf16: the same block on torch._grouped_mm (secondary).
 
 HBM floor per size: bytes of the experts the routing hits (NVFP4 codes + E4M3 block scales + global
@@ -15,7 +19,9 @@ checked against moe_w4a4(impl="reference"), and every arm's output against the b
     python benchmarks/bench_moe_block.py [--tokens 16,64,256,1024,4096,16384] [--out DIR]   # GPU, ~2-3 min
     python benchmarks/bench_moe_block.py --dry-run     # CPU: tiny shapes, reference path, no SGLang, no timing
 
-Writes DIR/moe_block.json (rows + date/device/versions) and DIR/moe_block.md.
+Writes DIR/moe_block.json (rows + date/device/versions), DIR/moe_block.md and, with sglang_fp8_tuned,
+DIR/sglang_fp8_block_tuned.json ({"file": SGLang's config file name, "configs": {tokens: config}}: copy it
+as that name into SGLANG_MOE_CONFIG_DIR/configs/triton_<version>/ to serve with the tuned peer).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ ARMS = (
     "ours_rac50_static",
     "ours_torch_route",
     "sglang_fp8",
+    "sglang_fp8_tuned",
     "sglang_fp8_tensor",
     "sglang_bf16",
     "torch_bf16",
@@ -51,6 +58,18 @@ ARMS = (
 FP8_BLOCK = 128
 #: HBM bandwidth (TB/s) of the floor by a substring of the GPU's name (the SXM parts); others: --hbm-tbps
 HBM_TBPS = {"H200": 4.8, "H100": 3.35}
+#: the SGLang arms that run with the config SGLang ships (sglang_fp8_tuned chooses its own)
+SHIPPED_CONFIG_ARMS = ("sglang_fp8", "sglang_fp8_tensor", "sglang_bf16")
+#: configs of SGLang's fused-MoE Triton kernel tried for sglang_fp8_tuned (a subset of its tuning script's
+#: space; BLOCK_SIZE_K stays the FP8 block, one weight scale per K step), after SGLang's own choice
+PEER_GRID = {
+    "BLOCK_SIZE_M": (16, 32, 64),
+    "BLOCK_SIZE_N": (64, 128),
+    "BLOCK_SIZE_K": (FP8_BLOCK,),
+    "GROUP_SIZE_M": (16,),
+    "num_warps": (4,),
+    "num_stages": (3, 4, 5),
+}
 
 
 # ----------------------------------------------------------------------------- pure parts
@@ -75,6 +94,33 @@ def floor_us(fmt: str, active_experts: int, tokens: int, shape: dict, tbps: floa
     return nbytes / (tbps * 1e12) * 1e6
 
 
+def peer_candidates(shipped: dict | None, grid: dict = PEER_GRID) -> list[dict]:
+    """SGLang's own config for this size first (the arm is never slower than the shipped peer), then every
+    point of grid not equal to it."""
+    import itertools
+
+    keys = list(grid)
+    out = [dict(shipped)] if shipped else []
+    for values in itertools.product(*(grid[k] for k in keys)):
+        cfg = dict(zip(keys, values, strict=True))
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def tuned_config_file(result: dict) -> dict:
+    """The sglang_fp8_tuned winners in SGLang's config-file layout: {"file": its name for this GPU and shape,
+    "configs": {str(tokens): config}} (SGLang picks the entry nearest the batch's token count)."""
+    s, dev = result["shape"], result.get("device", {}).get("name", "unknown").replace(" ", "_")
+    name = (
+        f"E={s['experts']},N={s['inter']},device_name={dev},dtype=fp8_w8a8,block_shape=[{FP8_BLOCK}, {FP8_BLOCK}].json"
+    )
+    configs = {
+        str(r["tokens"]): r["sglang_fp8_tuned_config"] for r in result["rows"] if r.get("sglang_fp8_tuned_config")
+    }
+    return {"file": name, "configs": configs}
+
+
 def ratios(row: dict) -> dict:
     """Peer time / ours (> 1: ours faster) and ours as % of its HBM floor, for a row of times."""
     out = {}
@@ -82,12 +128,13 @@ def ratios(row: dict) -> dict:
         t = row.get(f"{ours}_us")
         if not t:
             continue
-        for peer in ("sglang_fp8", "sglang_fp8_tensor", "sglang_bf16", "torch_bf16"):
+        for peer in ("sglang_fp8", "sglang_fp8_tuned", "sglang_fp8_tensor", "sglang_bf16", "torch_bf16"):
             if row.get(f"{peer}_us"):
                 out[f"{ours}_vs_{peer}"] = row[f"{peer}_us"] / t
         out[f"{ours}_pct_floor"] = 100 * row["hbm_floor_us"] / t
-    if row.get("sglang_fp8_us"):
-        out["sglang_fp8_pct_floor"] = 100 * row["fp8_floor_us"] / row["sglang_fp8_us"]
+    for peer in ("sglang_fp8", "sglang_fp8_tuned"):
+        if row.get(f"{peer}_us"):
+            out[f"{peer}_pct_floor"] = 100 * row["fp8_floor_us"] / row[f"{peer}_us"]
     return out
 
 
@@ -102,31 +149,60 @@ def markdown(result: dict) -> str:
         f"{s['experts']} experts, hidden {s['hidden']}, moe intermediate {s['inter']}, top-{s['topk']}, random",
         "routing, the same inputs for every arm; medians of CUDA-graph replays (us). Ours = moe_w4a4(impl='auto')",
         "(route, fc1, SiLU*up, fc2, top-k combine). SGLang = fused_experts as its engine runs it on Hopper",
-        "(alignment, tuned Triton GEMMs, fused SiLU*up, top-k sum): FP8 block [128,128] weights with per-token",
-        "group activation quantization; 'fp8 tensor' = per-tensor FP8 weights as quantization='fp8' makes",
-        f"them. Floor = bytes of the experts hit + bf16 activations in/out at {result['hbm_tbps']} TB/s.",
+        "(alignment, Triton GEMMs with the config it ships for the GPU or its default, fused SiLU*up, top-k",
+        "sum): FP8 block [128,128] weights with per-token group activation quantization; 'fp8 tensor' =",
+        "per-tensor FP8 weights as quantization='fp8' makes them.",
+        f"Floor = bytes of the experts hit + bf16 activations in/out at {result['hbm_tbps']} TB/s.",
         "Ratios > 1: ours faster. Static RAC plans: fc1 from the inputs' residuals, fc2 arbitrary (time",
         "depends on the channel count only). 'ours, torch routing': the same block with the routing as a",
         "dozen torch ops instead of the one-launch kernel (kernels/route.py), measured in the same run.",
         "",
     ]
-    head = ["tokens", "experts hit", "ours", "+ dyn RAC 50%", "+ static RAC 50%", "SGLang FP8", "SGLang FP8 tensor"]
-    head += ["SGLang bf16", "torch bf16", "ours vs FP8", "ours vs bf16", "RAC50 vs FP8", "NVFP4 floor"]
-    head += ["ours % floor", "FP8 floor", "FP8 % floor", "ours max err", "ours, torch routing"]
+    shipped = result.get("sglang_tuned_configs") or {}
+    if shipped:
+        lines.append(
+            "SGLang ships a tuned kernel config for this GPU and shape: "
+            + ", ".join(f"{a.removeprefix('sglang_')} {'yes' if v else 'no (its default)'}" for a, v in shipped.items())
+            + "."
+        )
+    if any(r.get("sglang_fp8_tuned_config") for r in result["rows"]):
+        lines.append(
+            "'SGLang FP8 tuned' = the FP8 block arm with the fastest of SGLang's own config and "
+            f"{len(peer_candidates(None))} more of its kernel's configs at each size (`PEER_GRID`), the peer a "
+            "user who tunes SGLang gets."
+        )
+    if lines[-1]:
+        lines.append("")
+    head = ["tokens", "experts hit", "ours", "+ dyn RAC 50%", "+ static RAC 50%", "SGLang FP8", "SGLang FP8 tuned"]
+    head += ["SGLang FP8 tensor", "SGLang bf16", "torch bf16", "ours vs FP8", "ours vs FP8 tuned", "ours vs bf16"]
+    head += ["RAC50 vs FP8", "RAC50 vs FP8 tuned", "NVFP4 floor", "ours % floor", "FP8 floor", "FP8 % floor"]
+    head += ["FP8 tuned % floor", "ours max err", "ours, torch routing"]
     rows = []
     for r in result["rows"]:
         rows.append(
             [
                 str(r["tokens"]), str(r.get("active_experts", "-")), f(r.get("ours_us")), f(r.get("ours_rac50_us")),
-                f(r.get("ours_rac50_static_us")), f(r.get("sglang_fp8_us")), f(r.get("sglang_fp8_tensor_us")),
-                f(r.get("sglang_bf16_us")), f(r.get("torch_bf16_us")), f(r.get("ours_vs_sglang_fp8"), ".2f"),
+                f(r.get("ours_rac50_static_us")), f(r.get("sglang_fp8_us")), f(r.get("sglang_fp8_tuned_us")),
+                f(r.get("sglang_fp8_tensor_us")), f(r.get("sglang_bf16_us")), f(r.get("torch_bf16_us")),
+                f(r.get("ours_vs_sglang_fp8"), ".2f"), f(r.get("ours_vs_sglang_fp8_tuned"), ".2f"),
                 f(r.get("ours_vs_sglang_bf16"), ".2f"), f(r.get("ours_rac50_vs_sglang_fp8"), ".2f"),
+                f(r.get("ours_rac50_vs_sglang_fp8_tuned"), ".2f"),
                 f(r.get("hbm_floor_us")), f(r.get("ours_pct_floor"), ".0f"), f(r.get("fp8_floor_us")),
-                f(r.get("sglang_fp8_pct_floor"), ".0f"), f(r.get("ours_max_abs_err"), ".2e"),
+                f(r.get("sglang_fp8_pct_floor"), ".0f"), f(r.get("sglang_fp8_tuned_pct_floor"), ".0f"),
+                f(r.get("ours_max_abs_err"), ".2e"),
                 f(r.get("ours_torch_route_us")),
             ]
         )  # fmt: skip
     lines += bench_env.table(head, rows)
+    tuned = [r for r in result["rows"] if r.get("sglang_fp8_tuned_config")]
+    if tuned:
+        lines += ["", "SGLang FP8 tuned: the winning config per size (of the configs timed):", ""]
+        for r in tuned:
+            c = r["sglang_fp8_tuned_config"]
+            lines.append(
+                f"- {r['tokens']} tokens ({r.get('sglang_fp8_tuned_timed', '-')} timed): "
+                + ", ".join(f"{k} {v}" for k, v in c.items())
+            )
     lines += ["", "Checks (ours vs moe_w4a4(impl='reference'); every arm's relative error vs the bf16 block):", ""]
     for r in result["rows"]:
         errs = ", ".join(f"{k} {v:.3g}" for k, v in sorted(r.get("rel_err_vs_bf16", {}).items()))
@@ -274,16 +350,38 @@ class SGLangMoE:
             inplace=False,
         )
 
-    def fn(self, arm: str, t: dict, inp: dict):
+    def fn(self, arm: str, t: dict, inp: dict, config: dict | None = None):
+        """The arm's call; config: a kernel config in place of SGLang's choice (its override_config)."""
+        import contextlib
+
+        from sglang.srt.layers.moe.moe_runner.triton_utils import override_config
+
         topk = self.topk_cls(t["w"], t["ids"], t["logits"])
         x = t["x"]
+        scope = (lambda: override_config(config)) if config else contextlib.nullcontext
         if arm == "sglang_bf16":
-            return lambda: self.fused_experts(x, inp["w13"], inp["w2"], topk, self.config)
-        q13, s13, q2, s2 = inp["fp8_block" if arm == "sglang_fp8" else "fp8_tensor"]
-        block = [FP8_BLOCK, FP8_BLOCK] if arm == "sglang_fp8" else None
-        return lambda: self.fused_experts(
-            x, q13, q2, topk, self.config, use_fp8_w8a8=True, w1_scale=s13, w2_scale=s2, block_shape=block
+            w13, w2, kw = inp["w13"], inp["w2"], {}
+        else:
+            w13, s13, w2, s2 = inp["fp8_tensor" if arm == "sglang_fp8_tensor" else "fp8_block"]
+            block = None if arm == "sglang_fp8_tensor" else [FP8_BLOCK, FP8_BLOCK]
+            kw = dict(use_fp8_w8a8=True, w1_scale=s13, w2_scale=s2, block_shape=block)
+
+        def call():
+            with scope():
+                return self.fused_experts(x, w13, w2, topk, self.config, **kw)
+
+        return call
+
+    @staticmethod
+    def shipped_config(inp: dict, tokens: int, topk: int) -> dict | None:
+        """The config SGLang picks for the FP8 block arm at this token count (its file's or its default)."""
+        from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config import try_get_optimal_moe_config
+
+        w13, _, w2, _ = inp["fp8_block"]
+        cfg = try_get_optimal_moe_config(
+            w13.shape, w2.shape, topk, "fp8_w8a8", tokens, block_shape=[FP8_BLOCK, FP8_BLOCK]
         )
+        return dict(cfg[0] if isinstance(cfg, tuple) else cfg)
 
     @staticmethod
     def tuned(arm: str, shape: dict) -> bool | None:
@@ -320,6 +418,27 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
+def tune_peer(sgl: SGLangMoE, t: dict, inp: dict, tokens: int, shape: dict, args, log) -> tuple[dict, int]:
+    """(the fastest config of peer_candidates for SGLang's FP8 block call at this size, how many were timed);
+    shorter replays than the arms' (--peer-rep-ms), at most --peer-budget-s per size; failing configs skipped."""
+    t0, best, timed = time.time(), None, 0
+    for cfg in peer_candidates(sgl.shipped_config(inp, tokens, shape["topk"])):
+        if timed and time.time() - t0 > args.peer_budget_s:
+            log(f"{tokens} tokens: peer tuning stopped at its budget after {timed} configs")
+            break
+        try:
+            us = time_us(sgl.fn("sglang_fp8", t, inp, config=cfg), True, args.peer_rep_ms)
+        except Exception as e:  # a config the kernel cannot run here (shared memory, ...)
+            log(f"{tokens} tokens: peer config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        timed += 1
+        if best is None or us < best[0]:
+            best = (us, cfg)
+    if best is None:
+        raise RuntimeError("no SGLang FP8 config ran")
+    return best[1], timed
+
+
 def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, log) -> dict:
     cuda = args.device == "cuda"
     t = make_tokens(tokens, shape, inp, args.device)
@@ -350,11 +469,18 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
     fns = {"ours": ours(), "ours_rac50": ours(rac_dyn), "ours_rac50_static": ours(rac_static)}
     fns["ours_torch_route"] = ours_torch_route
     fns["torch_bf16"] = lambda: torch_bf16_block(t, inp, shape["topk"])
-    for arm in ("sglang_fp8", "sglang_fp8_tensor", "sglang_bf16"):
+    for arm in ("sglang_fp8", "sglang_fp8_tuned", "sglang_fp8_tensor", "sglang_bf16"):
         if arm not in args.arms:
             continue
         if sgl is None:
             row["errors"][arm] = "SGLang's fused MoE needs CUDA and sglang" if not cuda else "SGLang setup failed"
+        elif arm == "sglang_fp8_tuned":
+            try:
+                cfg = tune_peer(sgl, t, inp, tokens, shape, args, log)
+                row["sglang_fp8_tuned_config"], row["sglang_fp8_tuned_timed"] = cfg
+                fns[arm] = sgl.fn("sglang_fp8", t, inp, config=row["sglang_fp8_tuned_config"])
+            except Exception as e:
+                row["errors"][arm] = f"{type(e).__name__}: {e}"[:300]
         else:
             fns[arm] = sgl.fn(arm, t, inp)
     for arm in ARMS:
@@ -390,6 +516,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--hbm-tbps", type=float, default=None, help="HBM bandwidth of the floor (default: by GPU name, HBM_TBPS)"
     )
     ap.add_argument("--rep-ms", type=int, default=60, help="replay time per measurement (triton do_bench_cudagraph)")
+    ap.add_argument("--peer-rep-ms", type=int, default=20, help="replay time per config of the FP8 peer's tuning")
+    ap.add_argument("--peer-budget-s", type=float, default=60.0, help="seconds of FP8 peer tuning per size")
     ap.add_argument("--check-rtol", type=float, default=5e-3, help="ours vs reference relative error bound")
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, reference path, no SGLang")
     ap.add_argument("--workdir", default="/tmp/quads_bench_moe_block", help="scratch (SGLang's model config)")
@@ -433,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and any(a.startswith("sglang") for a in args.arms):
         try:
             sgl = SGLangMoE(shape, args.workdir)
-            result["sglang_tuned_configs"] = {a: SGLangMoE.tuned(a, shape) for a in ARMS if a.startswith("sglang")}
+            result["sglang_tuned_configs"] = {a: SGLangMoE.tuned(a, shape) for a in SHIPPED_CONFIG_ARMS}
         except Exception as e:
             result["sglang_setup_error"] = f"{type(e).__name__}: {e}"[:500]
             log(f"FAIL SGLang setup: {result['sglang_setup_error']}\n{traceback.format_exc(limit=6)}")
@@ -443,12 +571,15 @@ def main(argv: list[str] | None = None) -> int:
         state = "PASS" if row["check_ok"] and not row["errors"] else "FAIL"
         log(
             f"{state} {tokens} tokens: ours {bench_env.fmt(row.get('ours_us'))} us, SGLang FP8 "
-            f"{bench_env.fmt(row.get('sglang_fp8_us'))} us, bf16 {bench_env.fmt(row.get('sglang_bf16_us'))} us, "
+            f"{bench_env.fmt(row.get('sglang_fp8_us'))} us (tuned {bench_env.fmt(row.get('sglang_fp8_tuned_us'))}), "
+            f"bf16 {bench_env.fmt(row.get('sglang_bf16_us'))} us, "
             f"floor {row['hbm_floor_us']:.1f} us, rel err {bench_env.fmt(row.get('ours_rel_err'), '.1e')}"
             + (f", errors {sorted(row['errors'])}" if row["errors"] else "")
         )
     result["seconds"] = time.time() - t0
     bench_env.write_json(os.path.join(args.out, "moe_block.json"), result)
+    if any(r.get("sglang_fp8_tuned_config") for r in result["rows"]):
+        bench_env.write_json(os.path.join(args.out, "sglang_fp8_block_tuned.json"), tuned_config_file(result))
     md = markdown(result)
     bench_env.write_text(os.path.join(args.out, "moe_block.md"), md)
     print(md)

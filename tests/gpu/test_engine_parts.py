@@ -338,3 +338,40 @@ def test_moe_block_dry_run_row(tmp_path):
     assert "sglang_fp8 not measured" in bmb.markdown({**result, "rows": [row]})
     with pytest.raises(SystemExit):
         bmb.parse_args(["--arms", "ours,bogus"])
+
+
+def test_moe_block_tuned_fp8_peer_candidates_and_config_file():
+    """sglang_fp8_tuned tries SGLang's own config first, then each PEER_GRID point once; its winners are
+    written under the file name SGLang looks up for this GPU and shape, keyed by token count."""
+    shipped = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 32, "num_warps": 4,
+               "num_stages": 3}  # fmt: skip
+    cands = bmb.peer_candidates(shipped)
+    grid = 1
+    for values in bmb.PEER_GRID.values():
+        grid *= len(values)
+    assert cands[0] == shipped and len(cands) == grid + 1
+    assert all(c not in cands[:i] for i, c in enumerate(cands))
+    in_grid = dict(cands[1])
+    assert bmb.peer_candidates(in_grid)[0] == in_grid and len(bmb.peer_candidates(in_grid)) == grid
+    assert all(c["BLOCK_SIZE_K"] == bmb.FP8_BLOCK for c in cands)
+    rows = [{"tokens": 16, "sglang_fp8_tuned_config": cands[3]}, {"tokens": 64}]
+    f = bmb.tuned_config_file({"shape": bmb.SHAPE, "device": {"name": "NVIDIA H100 80GB HBM3"}, "rows": rows})
+    assert f == {
+        "file": "E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3,dtype=fp8_w8a8,block_shape=[128, 128].json",
+        "configs": {"16": cands[3]},
+    }
+    row = {"tokens": 16, "hbm_floor_us": 50.0, "fp8_floor_us": 100.0, "ours_us": 100.0, "sglang_fp8_us": 200.0,
+           "sglang_fp8_tuned_us": 150.0, "sglang_fp8_tuned_config": cands[3], "sglang_fp8_tuned_timed": grid + 1,
+           "check_ok": True}  # fmt: skip
+    row.update(bmb.ratios(row))
+    assert row["ours_vs_sglang_fp8_tuned"] == 1.5 and row["sglang_fp8_tuned_pct_floor"] == pytest.approx(200 / 3)
+    md = bmb.markdown(
+        {"date": "2026-12-06", "device": {"name": "cpu"}, "versions": {}, "shape": bmb.SHAPE, "hbm_tbps": 3.35,
+         "rows": [row], "sglang_tuned_configs": {"sglang_fp8": False, "sglang_bf16": True}}
+    )  # fmt: skip
+    assert "fp8 no (its default), bf16 yes" in md and "| 1.50 |" in md
+    assert f"- 16 tokens ({grid + 1} timed): BLOCK_SIZE_M" in md
+    row = bmb.measure(4, {"experts": 4, "hidden": 128, "inter": 128, "topk": 2},
+                      bmb.make_inputs({"experts": 4, "hidden": 128, "inter": 128, "topk": 2}, "cpu"), None,
+                      bmb.parse_args(["--dry-run", "--arms", "sglang_fp8_tuned"]), print)  # fmt: skip
+    assert row["errors"] == {"sglang_fp8_tuned": "SGLang's fused MoE needs CUDA and sglang"}
