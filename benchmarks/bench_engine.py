@@ -1,5 +1,7 @@
-"""End-to-end SGLang Engine throughput of a Qwen3-30B-A3B-shaped model: bf16, SGLang's online `fp8`, and
-quads_nvfp4 with RAC off / dynamic 50% / static 50%.
+"""End-to-end SGLang Engine throughput of a Qwen3-30B-A3B-shaped model: bf16, SGLang's online `fp8` (as
+shipped, and `fp8_tuned`: with the fused-MoE kernel configs bench_moe_block.py tuned on this GPU, passed as
+--peer-configs and served through SGLANG_MOE_CONFIG_DIR), and quads_nvfp4 with RAC off / dynamic 50% /
+static 50%.
 
 The model: 128 experts, hidden 2048, moe intermediate 768, top-8, 32 heads / 4 KV heads / head_dim 128,
 vocab --vocab (32768 saves memory and time), --layers layers (>= 12: with fewer, a decode step is mostly the
@@ -19,6 +21,7 @@ time from the two step times say whether the GPU's work dominates a decode step.
     python benchmarks/bench_engine.py --arms bf16,fp8 --resume             # ~3 min per arm
     python benchmarks/bench_engine.py --arms quads_off,quads_dyn --resume
     python benchmarks/bench_engine.py --arms quads_static,layercheck --resume
+    python benchmarks/bench_engine.py --arms fp8_tuned --resume --peer-configs OUT/sglang_fp8_tensor_tuned.json
     python benchmarks/bench_engine.py --dry-run                            # CPU: tiny model, no engines
 
 Writes OUT/bench_engine.json and .md (OUT: --out, else $OUT, else benchmarks/results) and a copy of the
@@ -33,6 +36,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -40,7 +44,9 @@ import time
 import bench_env
 from bench_engine_model import QUADS_ARMS, prepare
 
-ARMS = ("bf16", "fp8", *QUADS_ARMS, "layercheck")
+ARMS = ("bf16", "fp8", "fp8_tuned", *QUADS_ARMS, "layercheck")
+#: the arms measured against (fp8_tuned: SGLang's fp8 with the fused-MoE configs of --peer-configs)
+PEERS = ("fp8", "fp8_tuned", "bf16")
 #: the committed results (the default --out, and the last place --resume looks)
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 #: process groups of the arms running now (each started in a new process group: killed as a whole)
@@ -69,6 +75,58 @@ def engine_kwargs(spec: dict) -> dict:
     if spec["quantization"]:
         kw["quantization"] = spec["quantization"]
     return kw
+
+
+MOE_CONFIGS_MARK = ".quads_bench_moe_configs"
+
+
+def moe_config_dir(root: str, peer_files: list[str], triton_version: str) -> str:
+    """An SGLANG_MOE_CONFIG_DIR holding the tuned fused-MoE configs of peer_files (bench_moe_block.py's
+    TUNED_FILES: {"file": SGLang's name, "configs": {tokens: config}}) at configs/triton_<version>/<file>.
+    Rewritten on every call; an existing root is removed only when it is one this function wrote (its mark
+    and SGLang config files, nothing else). Returns root."""
+    peers = [read_peer_file(p) for p in peer_files]  # all checked before anything is removed or written
+    if os.path.lexists(root):
+        found = [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs]
+        own = [f for f in found if f == MOE_CONFIGS_MARK or (f.startswith("configs/triton_") and f.endswith(".json"))]
+        if MOE_CONFIGS_MARK not in found or len(own) != len(found) or os.path.islink(root):
+            raise RuntimeError(f"{root} holds files this benchmark did not write; remove it or use another --workdir")
+        shutil.rmtree(root)
+    sub = os.path.join(root, "configs", "triton_" + triton_version.replace(".", "_"))
+    os.makedirs(sub)
+    with open(os.path.join(root, MOE_CONFIGS_MARK), "w") as f:
+        f.write("written by benchmarks/bench_engine.py\n")
+    for peer in peers:
+        bench_env.write_json(os.path.join(sub, peer["file"]), peer["configs"])
+    return root
+
+
+def config_misses(log_text: str) -> list[str]:
+    """SGLang's warnings in an arm's log that it found no tuned FP8 fused-MoE config (it logs a found one at
+    info level only, which the engines here do not print): the fp8_tuned arm must have none. A missing
+    `_down` file is not one: SGLang then runs the down projection with the tuned up-projection config."""
+    keys = ("Config file not found", "Using default MoE kernel config")
+    return sorted(
+        {
+            ln.strip()[:300]
+            for ln in log_text.splitlines()
+            if "fp8_w8a8" in ln and "_down" not in ln and any(k in ln for k in keys)
+        }
+    )
+
+
+def read_peer_file(path: str) -> dict:
+    """A tuned-config file of bench_moe_block.py, checked: {"file": "E=...json", "configs": {tokens: {...}}}."""
+    with open(path) as f:
+        peer = json.load(f)
+    name, configs = (peer.get("file"), peer.get("configs")) if isinstance(peer, dict) else (None, None)
+    if not (isinstance(name, str) and name.startswith("E=") and name.endswith(".json") and "/" not in name):
+        raise ValueError(f"{path}: not a tuned-config file of bench_moe_block.py (no SGLang file name)")
+    if not (
+        isinstance(configs, dict) and configs and all(k.isdigit() and isinstance(v, dict) for k, v in configs.items())
+    ):
+        raise ValueError(f"{path}: 'configs' must map token counts to kernel configs")
+    return peer
 
 
 def time_batch(engine, b: int, spec: dict, prompts) -> dict:
@@ -179,11 +237,11 @@ def check_gpu_bound(results: dict, moe_block: dict | None = None) -> dict:
 
 
 def ratios(results: dict) -> dict:
-    """Median output tok/s of each quads arm over fp8 and bf16, per batch."""
+    """Median output tok/s of each quads arm over each peer (fp8, fp8_tuned, bf16), per batch."""
     arms = results.get("arms", {})
     out: dict = {}
     for q in QUADS_ARMS:
-        for peer in ("fp8", "bf16"):
+        for peer in PEERS:
             for b, row in arms.get(q, {}).get("batches", {}).items():
                 peer_row = arms.get(peer, {}).get("batches", {}).get(b)
                 if peer_row:
@@ -223,7 +281,7 @@ def markdown(results: dict) -> str:
             f"out, {c['cpu_count']} CPUs).",
             "",
         ]
-    arms = [a for a in ("bf16", "fp8", *QUADS_ARMS) if a in results.get("arms", {})]
+    arms = [a for a in ("bf16", "fp8", "fp8_tuned", *QUADS_ARMS) if a in results.get("arms", {})]
     for key, title, spec in (("output_tok_s", "Output tok/s", ".0f"), ("decode_tok_s", "Decode tok/s", ".0f"),
                              ("step_ms", "Decode step, ms", ".2f")):  # fmt: skip
         rows = []
@@ -250,6 +308,8 @@ def markdown(results: dict) -> str:
             lines.append(f"- {a}: engine start {r['startup_s']:.0f} s")
         for b, e in sorted(r.get("errors", {}).items()):
             lines.append(f"- {a}: batch {b} FAILED: {e}")
+        for miss in r.get("config_misses", []):
+            lines.append(f"- {a}: WARNING, SGLang found no tuned config here (the arm is not tuned): {miss}")
         if r.get("error"):
             lines.append(f"- {a}: {r['error']}")
     chk = results.get("gpu_bound_check", {})
@@ -272,7 +332,11 @@ def markdown(results: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    ap.add_argument(
+        "--arms",
+        default=",".join(a for a in ARMS if a != "fp8_tuned"),
+        help=f"comma-separated subset of {','.join(ARMS)} (default: all but fp8_tuned, which needs --peer-configs)",
+    )
     ap.add_argument("--batches", default="16,64,256,1024")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=32768)
@@ -283,6 +347,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--check-batches", default="64,256", help="batches of the 'layercheck' arm")
     ap.add_argument("--mem-fraction", type=float, default=0.8, help="SGLang mem_fraction_static (one engine at a time)")
     ap.add_argument("--arm-timeout", type=int, default=540, help="seconds one arm's process may run")
+    ap.add_argument(
+        "--peer-configs",
+        default="",
+        metavar="PATHS",
+        help="comma-separated tuned fused-MoE config files of bench_moe_block.py (sglang_fp8_*_tuned.json) "
+        "the fp8_tuned arm serves with",
+    )
     ap.add_argument("--workdir", default="/tmp/quads_bench_engine", help="model, conversion, logs")
     ap.add_argument("--out", help="results folder (default: $OUT, else benchmarks/results; dry run: workdir/out)")
     ap.add_argument(
@@ -322,6 +393,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--check-layers ({args.check_layers}) must be below --layers ({args.layers})")
     if not 0 < args.mem_fraction < 1:
         ap.error(f"--mem-fraction: must be in (0, 1), got {args.mem_fraction}")
+    args.peer_configs = [p for p in args.peer_configs.split(",") if p]
+    if "fp8_tuned" in args.arms and not args.peer_configs:
+        ap.error("--arms fp8_tuned needs --peer-configs (bench_moe_block.py's sglang_fp8_*_tuned.json)")
+    for path in args.peer_configs:
+        try:
+            read_peer_file(path)
+        except (OSError, ValueError) as e:
+            ap.error(f"--peer-configs: {e}")
     args.tiny = args.tiny or args.dry_run
     if args.out is None:
         results = RESULTS
@@ -414,6 +493,11 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"SKIP {arm}: in {json_path} already")
                 continue
             frag = run_child(arm, batches, prep["dirs"][arm], args, log)
+            if arm == "fp8_tuned":
+                with open(os.path.join(args.workdir, "logs", f"{arm}.log"), errors="replace") as f:
+                    frag["config_misses"] = config_misses(f.read())
+                for line in frag["config_misses"]:
+                    log(f"WARN fp8_tuned: SGLang did not use a tuned config: {line}")
             merge_arm(results, arm, frag)
             finish(results, json_path, args)
     finish(results, json_path, args)
@@ -434,7 +518,7 @@ def run_child(arm: str, batches: list[int], model: str, args, log) -> dict:
     spec = {
         "arm": arm, "model": model, "batches": batches, "input_len": args.input_len, "new_tokens": args.new_tokens,
         "repeats": 1 if arm == "layercheck" else args.repeats, "vocab": args.vocab, "mem_fraction": args.mem_fraction,
-        "quantization": {"bf16": None, "fp8": "fp8"}.get(arm, "quads_nvfp4"), "seed": 0,
+        "quantization": {"bf16": None, "fp8": "fp8", "fp8_tuned": "fp8"}.get(arm, "quads_nvfp4"), "seed": 0,
         "fragment": os.path.join(args.workdir, "logs", f"{arm}.json"),
     }  # fmt: skip
     spec_path = os.path.join(args.workdir, "logs", f"{arm}.spec.json")
@@ -443,6 +527,11 @@ def run_child(arm: str, batches: list[int], model: str, args, log) -> dict:
         os.remove(spec["fragment"])
     log_path = os.path.join(args.workdir, "logs", f"{arm}.log")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1")
+    if arm == "fp8_tuned":
+        import triton
+
+        root = os.path.join(args.workdir, "sglang_moe_configs")
+        env["SGLANG_MOE_CONFIG_DIR"] = moe_config_dir(root, args.peer_configs, triton.__version__)
     log(f"arm {arm}: batches {batches} on {model} (log {log_path})")
     t0 = time.time()
     with open(log_path, "w") as f:

@@ -231,7 +231,7 @@ def prepare(args, log) -> dict:
         info["convert"]["cpu_count"] = os.cpu_count()
         info["convert"]["stdout"] = proc.stdout.strip()[-300:]
         bench_env.write_json(info_path, info)
-    dirs = {"bf16": bf16, "fp8": bf16}
+    dirs = {"bf16": bf16, "fp8": bf16, "fp8_tuned": bf16}
     for arm in QUADS_ARMS:
         dirs[arm] = serving_dir(nvfp4, os.path.join(root, arm), rollout_config(arm))
     dirs["layercheck"] = serving_dir(

@@ -7,9 +7,10 @@ moe intermediate 768, top-8), random routing, the same inputs for every arm, CUD
   (fused_experts: moe_align_block_size, its Triton GEMMs, fused SiLU*up, top-k sum) for FP8 w8a8
   block [128, 128] weights, per-tensor FP8 weights (what quantization="fp8" makes online) and bf16, each
   with the kernel config SGLang ships for this GPU (its default where it ships none: on the H100);
-* sglang_fp8_tuned: the FP8 block arm with the fastest of SGLang's own config and PEER_GRID at each size
-  (what SGLang's fused-MoE tuning script would give it), so a GPU without a shipped config is not an
-  untuned peer; the winners are written in SGLang's config-file format (sglang_fp8_block_tuned.json);
+* sglang_fp8_tuned / sglang_fp8_tensor_tuned: the FP8 block / per-tensor arm with the fastest of SGLang's
+  own config and PEER_GRIDS' at each size (what SGLang's fused-MoE tuning script would give it), so a GPU
+  without a shipped config is not an untuned peer; the winners are written in SGLang's config-file format
+  (TUNED_FILES), which bench_engine.py's fp8_tuned arm serves with;
 * torch_bf16: the same block on torch._grouped_mm (secondary).
 
 HBM floor per size: bytes of the experts the routing hits (NVFP4 codes + E4M3 block scales + global
@@ -19,9 +20,9 @@ checked against moe_w4a4(impl="reference"), and every arm's output against the b
     python benchmarks/bench_moe_block.py [--tokens 16,64,256,1024,4096,16384] [--out DIR]   # GPU, ~2-3 min
     python benchmarks/bench_moe_block.py --dry-run     # CPU: tiny shapes, reference path, no SGLang, no timing
 
-Writes DIR/moe_block.json (rows + date/device/versions), DIR/moe_block.md and, with sglang_fp8_tuned,
-DIR/sglang_fp8_block_tuned.json ({"file": SGLang's config file name, "configs": {tokens: config}}: copy it
-as that name into SGLANG_MOE_CONFIG_DIR/configs/triton_<version>/ to serve with the tuned peer).
+Writes DIR/moe_block.json (rows + date/device/versions), DIR/moe_block.md and, per tuned arm that ran, its
+TUNED_FILES entry ({"file": SGLang's config file name, "configs": {tokens: config}}; bench_engine.py
+--peer-configs lays them out as SGLANG_MOE_CONFIG_DIR for its fp8_tuned arm).
 """
 
 from __future__ import annotations
@@ -52,23 +53,26 @@ ARMS = (
     "sglang_fp8",
     "sglang_fp8_tuned",
     "sglang_fp8_tensor",
+    "sglang_fp8_tensor_tuned",
     "sglang_bf16",
     "torch_bf16",
 )
 FP8_BLOCK = 128
 #: HBM bandwidth (TB/s) of the floor by a substring of the GPU's name (the SXM parts); others: --hbm-tbps
 HBM_TBPS = {"H200": 4.8, "H100": 3.35}
-#: the SGLang arms that run with the config SGLang ships (sglang_fp8_tuned chooses its own)
+#: the SGLang arms that run with the config SGLang ships; each tuned arm: the arm whose call it tunes
 SHIPPED_CONFIG_ARMS = ("sglang_fp8", "sglang_fp8_tensor", "sglang_bf16")
-#: configs of SGLang's fused-MoE Triton kernel tried for sglang_fp8_tuned (a subset of its tuning script's
-#: space; BLOCK_SIZE_K stays the FP8 block, one weight scale per K step), after SGLang's own choice
-PEER_GRID = {
-    "BLOCK_SIZE_M": (16, 32, 64),
-    "BLOCK_SIZE_N": (64, 128),
-    "BLOCK_SIZE_K": (FP8_BLOCK,),
-    "GROUP_SIZE_M": (16,),
-    "num_warps": (4,),
-    "num_stages": (3, 4, 5),
+TUNED_ARMS = {"sglang_fp8_tuned": "sglang_fp8", "sglang_fp8_tensor_tuned": "sglang_fp8_tensor"}
+TUNED_FILES = {
+    "sglang_fp8_tuned": "sglang_fp8_block_tuned.json",
+    "sglang_fp8_tensor_tuned": "sglang_fp8_tensor_tuned.json",
+}
+#: configs of SGLang's fused-MoE Triton kernel a tuned arm tries after SGLang's own choice (a subset of its
+#: tuning script's space); with FP8 block weights BLOCK_SIZE_K stays the block (one weight scale per K step)
+_GRID = {"BLOCK_SIZE_M": (16, 32, 64), "BLOCK_SIZE_N": (64, 128), "GROUP_SIZE_M": (16,), "num_warps": (4,)}
+PEER_GRIDS = {
+    "sglang_fp8": {**_GRID, "BLOCK_SIZE_K": (FP8_BLOCK,), "num_stages": (3, 4, 5)},
+    "sglang_fp8_tensor": {**_GRID, "BLOCK_SIZE_K": (128, 256), "num_stages": (3, 4)},
 }
 
 
@@ -94,7 +98,7 @@ def floor_us(fmt: str, active_experts: int, tokens: int, shape: dict, tbps: floa
     return nbytes / (tbps * 1e12) * 1e6
 
 
-def peer_candidates(shipped: dict | None, grid: dict = PEER_GRID) -> list[dict]:
+def peer_candidates(shipped: dict | None, grid: dict) -> list[dict]:
     """SGLang's own config for this size first (the arm is never slower than the shipped peer), then every
     point of grid not equal to it."""
     import itertools
@@ -108,16 +112,14 @@ def peer_candidates(shipped: dict | None, grid: dict = PEER_GRID) -> list[dict]:
     return out
 
 
-def tuned_config_file(result: dict) -> dict:
-    """The sglang_fp8_tuned winners in SGLang's config-file layout: {"file": its name for this GPU and shape,
-    "configs": {str(tokens): config}} (SGLang picks the entry nearest the batch's token count)."""
+def tuned_config_file(result: dict, arm: str) -> dict:
+    """A tuned arm's winners in SGLang's config-file layout: {"file": the name SGLang looks up for this GPU,
+    shape and weight format, "configs": {str(tokens): config}} (SGLang takes the entry nearest the batch's
+    token count)."""
     s, dev = result["shape"], result.get("device", {}).get("name", "unknown").replace(" ", "_")
-    name = (
-        f"E={s['experts']},N={s['inter']},device_name={dev},dtype=fp8_w8a8,block_shape=[{FP8_BLOCK}, {FP8_BLOCK}].json"
-    )
-    configs = {
-        str(r["tokens"]): r["sglang_fp8_tuned_config"] for r in result["rows"] if r.get("sglang_fp8_tuned_config")
-    }
+    block = f",block_shape=[{FP8_BLOCK}, {FP8_BLOCK}]" if TUNED_ARMS[arm] == "sglang_fp8" else ""
+    name = f"E={s['experts']},N={s['inter']},device_name={dev},dtype=fp8_w8a8{block}.json"
+    configs = {str(r["tokens"]): r[f"{arm}_config"] for r in result["rows"] if r.get(f"{arm}_config")}
     return {"file": name, "configs": configs}
 
 
@@ -128,7 +130,7 @@ def ratios(row: dict) -> dict:
         t = row.get(f"{ours}_us")
         if not t:
             continue
-        for peer in ("sglang_fp8", "sglang_fp8_tuned", "sglang_fp8_tensor", "sglang_bf16", "torch_bf16"):
+        for peer in ("sglang_fp8", *TUNED_ARMS, "sglang_fp8_tensor", "sglang_bf16", "torch_bf16"):
             if row.get(f"{peer}_us"):
                 out[f"{ours}_vs_{peer}"] = row[f"{peer}_us"] / t
         out[f"{ours}_pct_floor"] = 100 * row["hbm_floor_us"] / t
@@ -165,16 +167,25 @@ def markdown(result: dict) -> str:
             + ", ".join(f"{a.removeprefix('sglang_')} {'yes' if v else 'no (its default)'}" for a, v in shipped.items())
             + "."
         )
-    if any(r.get("sglang_fp8_tuned_config") for r in result["rows"]):
+    if any(r.get(f"{a}_config") for a in TUNED_ARMS for r in result["rows"]):
+        n = {a: len(peer_candidates(None, PEER_GRIDS[b])) for a, b in TUNED_ARMS.items()}
         lines.append(
-            "'SGLang FP8 tuned' = the FP8 block arm with the fastest of SGLang's own config and "
-            f"{len(peer_candidates(None))} more of its kernel's configs at each size (`PEER_GRID`), the peer a "
-            "user who tunes SGLang gets."
+            "'tuned' = that FP8 arm with the fastest of SGLang's own config and "
+            f"{n['sglang_fp8_tuned']} (block) / {n['sglang_fp8_tensor_tuned']} (tensor) more of its kernel's "
+            "configs at each size (`PEER_GRIDS`), the peer a user who tunes SGLang gets."
         )
     if lines[-1]:
         lines.append("")
     head = ["tokens", "experts hit", "ours", "+ dyn RAC 50%", "+ static RAC 50%", "SGLang FP8", "SGLang FP8 tuned"]
-    head += ["SGLang FP8 tensor", "SGLang bf16", "torch bf16", "ours vs FP8", "ours vs FP8 tuned", "ours vs bf16"]
+    head += [
+        "SGLang FP8 tensor",
+        "SGLang FP8 tensor tuned",
+        "SGLang bf16",
+        "torch bf16",
+        "ours vs FP8",
+        "ours vs FP8 tuned",
+        "ours vs bf16",
+    ]
     head += ["RAC50 vs FP8", "RAC50 vs FP8 tuned", "NVFP4 floor", "ours % floor", "FP8 floor", "FP8 % floor"]
     head += ["FP8 tuned % floor", "ours max err", "ours, torch routing"]
     rows = []
@@ -183,7 +194,8 @@ def markdown(result: dict) -> str:
             [
                 str(r["tokens"]), str(r.get("active_experts", "-")), f(r.get("ours_us")), f(r.get("ours_rac50_us")),
                 f(r.get("ours_rac50_static_us")), f(r.get("sglang_fp8_us")), f(r.get("sglang_fp8_tuned_us")),
-                f(r.get("sglang_fp8_tensor_us")), f(r.get("sglang_bf16_us")), f(r.get("torch_bf16_us")),
+                f(r.get("sglang_fp8_tensor_us")), f(r.get("sglang_fp8_tensor_tuned_us")), f(r.get("sglang_bf16_us")),
+                f(r.get("torch_bf16_us")),
                 f(r.get("ours_vs_sglang_fp8"), ".2f"), f(r.get("ours_vs_sglang_fp8_tuned"), ".2f"),
                 f(r.get("ours_vs_sglang_bf16"), ".2f"), f(r.get("ours_rac50_vs_sglang_fp8"), ".2f"),
                 f(r.get("ours_rac50_vs_sglang_fp8_tuned"), ".2f"),
@@ -194,14 +206,14 @@ def markdown(result: dict) -> str:
             ]
         )  # fmt: skip
     lines += bench_env.table(head, rows)
-    tuned = [r for r in result["rows"] if r.get("sglang_fp8_tuned_config")]
-    if tuned:
-        lines += ["", "SGLang FP8 tuned: the winning config per size (of the configs timed):", ""]
+    for arm in TUNED_ARMS:
+        tuned = [r for r in result["rows"] if r.get(f"{arm}_config")]
+        if tuned:
+            lines += ["", f"{arm}: the winning config per size (of the configs timed):", ""]
         for r in tuned:
-            c = r["sglang_fp8_tuned_config"]
             lines.append(
-                f"- {r['tokens']} tokens ({r.get('sglang_fp8_tuned_timed', '-')} timed): "
-                + ", ".join(f"{k} {v}" for k, v in c.items())
+                f"- {r['tokens']} tokens ({r.get(f'{arm}_timed', '-')} timed): "
+                + ", ".join(f"{k} {v}" for k, v in r[f"{arm}_config"].items())
             )
     lines += ["", "Checks (ours vs moe_w4a4(impl='reference'); every arm's relative error vs the bf16 block):", ""]
     for r in result["rows"]:
@@ -373,14 +385,13 @@ class SGLangMoE:
         return call
 
     @staticmethod
-    def shipped_config(inp: dict, tokens: int, topk: int) -> dict | None:
-        """The config SGLang picks for the FP8 block arm at this token count (its file's or its default)."""
+    def shipped_config(arm: str, inp: dict, tokens: int, topk: int) -> dict:
+        """The config SGLang picks for an FP8 arm's call at this token count (its file's or its default)."""
         from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config import try_get_optimal_moe_config
 
-        w13, _, w2, _ = inp["fp8_block"]
-        cfg = try_get_optimal_moe_config(
-            w13.shape, w2.shape, topk, "fp8_w8a8", tokens, block_shape=[FP8_BLOCK, FP8_BLOCK]
-        )
+        w13, _, w2, _ = inp["fp8_tensor" if arm == "sglang_fp8_tensor" else "fp8_block"]
+        block = None if arm == "sglang_fp8_tensor" else [FP8_BLOCK, FP8_BLOCK]
+        cfg = try_get_optimal_moe_config(w13.shape, w2.shape, topk, "fp8_w8a8", tokens, block_shape=block)
         return dict(cfg[0] if isinstance(cfg, tuple) else cfg)
 
     @staticmethod
@@ -418,24 +429,24 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
-def tune_peer(sgl: SGLangMoE, t: dict, inp: dict, tokens: int, shape: dict, args, log) -> tuple[dict, int]:
-    """(the fastest config of peer_candidates for SGLang's FP8 block call at this size, how many were timed);
+def tune_peer(sgl: SGLangMoE, base: str, t: dict, inp: dict, tokens: int, shape: dict, args, log) -> tuple[dict, int]:
+    """(the fastest of peer_candidates for SGLang's call of arm `base` at this size, how many were timed):
     shorter replays than the arms' (--peer-rep-ms), at most --peer-budget-s per size; failing configs skipped."""
     t0, best, timed = time.time(), None, 0
-    for cfg in peer_candidates(sgl.shipped_config(inp, tokens, shape["topk"])):
+    for cfg in peer_candidates(sgl.shipped_config(base, inp, tokens, shape["topk"]), PEER_GRIDS[base]):
         if timed and time.time() - t0 > args.peer_budget_s:
-            log(f"{tokens} tokens: peer tuning stopped at its budget after {timed} configs")
+            log(f"{tokens} tokens: {base} tuning stopped at its budget after {timed} configs")
             break
         try:
-            us = time_us(sgl.fn("sglang_fp8", t, inp, config=cfg), True, args.peer_rep_ms)
+            us = time_us(sgl.fn(base, t, inp, config=cfg), True, args.peer_rep_ms)
         except Exception as e:  # a config the kernel cannot run here (shared memory, ...)
-            log(f"{tokens} tokens: peer config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
+            log(f"{tokens} tokens: {base} config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
             continue
         timed += 1
         if best is None or us < best[0]:
             best = (us, cfg)
     if best is None:
-        raise RuntimeError("no SGLang FP8 config ran")
+        raise RuntimeError(f"no SGLang config of {base} ran")
     return best[1], timed
 
 
@@ -469,16 +480,17 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
     fns = {"ours": ours(), "ours_rac50": ours(rac_dyn), "ours_rac50_static": ours(rac_static)}
     fns["ours_torch_route"] = ours_torch_route
     fns["torch_bf16"] = lambda: torch_bf16_block(t, inp, shape["topk"])
-    for arm in ("sglang_fp8", "sglang_fp8_tuned", "sglang_fp8_tensor", "sglang_bf16"):
+    for arm in ("sglang_fp8", "sglang_fp8_tuned", "sglang_fp8_tensor", "sglang_fp8_tensor_tuned", "sglang_bf16"):
         if arm not in args.arms:
             continue
         if sgl is None:
             row["errors"][arm] = "SGLang's fused MoE needs CUDA and sglang" if not cuda else "SGLang setup failed"
-        elif arm == "sglang_fp8_tuned":
+        elif arm in TUNED_ARMS:
             try:
-                cfg = tune_peer(sgl, t, inp, tokens, shape, args, log)
-                row["sglang_fp8_tuned_config"], row["sglang_fp8_tuned_timed"] = cfg
-                fns[arm] = sgl.fn("sglang_fp8", t, inp, config=row["sglang_fp8_tuned_config"])
+                row[f"{arm}_config"], row[f"{arm}_timed"] = tune_peer(
+                    sgl, TUNED_ARMS[arm], t, inp, tokens, shape, args, log
+                )
+                fns[arm] = sgl.fn(TUNED_ARMS[arm], t, inp, config=row[f"{arm}_config"])
             except Exception as e:
                 row["errors"][arm] = f"{type(e).__name__}: {e}"[:300]
         else:
@@ -578,8 +590,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     result["seconds"] = time.time() - t0
     bench_env.write_json(os.path.join(args.out, "moe_block.json"), result)
-    if any(r.get("sglang_fp8_tuned_config") for r in result["rows"]):
-        bench_env.write_json(os.path.join(args.out, "sglang_fp8_block_tuned.json"), tuned_config_file(result))
+    for arm, name in TUNED_FILES.items():
+        if any(r.get(f"{arm}_config") for r in result["rows"]):
+            bench_env.write_json(os.path.join(args.out, name), tuned_config_file(result, arm))
     md = markdown(result)
     bench_env.write_text(os.path.join(args.out, "moe_block.md"), md)
     print(md)

@@ -13,7 +13,10 @@
 # run later in the same call still use the installed (untuned) files.
 # engine is the engine test without the README server command (~7.5 min), server that one alone (~4 min; needs
 # the sga carry's audio wheels). engine-bench, block and pieces take extra arguments from BENCH_ENGINE_ARGS,
-# BLOCK_ARGS and PIECES_ARGS. rl runs one resumable piece of the `quads rl` study in $RL_RUN (default
+# BLOCK_ARGS and PIECES_ARGS. engine-bench's fp8_tuned arm serves the tuned SGLang configs block's tuned arms
+# write to $OUT: run block first in the same call (e.g. BLOCK_ARGS="--arms ours,sglang_fp8,sglang_fp8_tuned,
+# sglang_fp8_tensor,sglang_fp8_tensor_tuned"), then BENCH_ENGINE_ARGS="--arms fp8,fp8_tuned --peer-configs
+# $OUT/sglang_fp8_tensor_tuned.json ...". rl runs one resumable piece of the `quads rl` study in $RL_RUN (default
 # /tmp/rl_run; kept while the machine stays warm) with arguments from RL_ARGS, its budget SECONDS - 90; call
 # it again to resume. rl-smoke (e.g. rl-smoke:330): the study of tests/gpu/test_rl_gpu.py (arms bf16, naive,
 # quads for 3 steps on a 2-layer model) in /tmp/rl_smoke, budget SECONDS - 60; it resumes too, and rl-test

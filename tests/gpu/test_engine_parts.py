@@ -293,6 +293,51 @@ def test_bench_results_merge_ratios_check_and_markdown(tmp_path, monkeypatch):
         be.load_results(args)
 
 
+def test_bench_engine_fp8_tuned_serves_the_tuned_configs(tmp_path, capsys):
+    """fp8_tuned: the peer files are checked when the arguments are parsed; their configs are laid out as an
+    SGLANG_MOE_CONFIG_DIR at the path SGLang looks up; a folder it did not write is refused, not removed."""
+    peer = {"file": "E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3,dtype=fp8_w8a8.json",
+            "configs": {"16": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 16,
+                               "num_warps": 4, "num_stages": 3}}}  # fmt: skip
+    good, bad = tmp_path / "peer.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(peer))
+    bad.write_text(json.dumps({"file": "../x.json", "configs": {}}))
+    listed = tmp_path / "list.json"
+    listed.write_text("[1]")
+    for argv in (["--arms", "fp8_tuned"], ["--arms", "fp8_tuned", "--peer-configs", str(bad)],
+                 ["--arms", "fp8_tuned", "--peer-configs", str(listed)],
+                 ["--arms", "fp8_tuned", "--peer-configs", str(tmp_path / "missing.json")]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            be.parse_args(argv)
+        assert "peer-configs" in capsys.readouterr().err
+    args = be.parse_args(["--arms", "fp8,fp8_tuned", "--peer-configs", str(good)])
+    root = tmp_path / "moe"
+    for _ in range(2):  # the second call replaces what the first wrote
+        assert be.moe_config_dir(str(root), args.peer_configs, "3.6.0") == str(root)
+        with open(root / "configs" / "triton_3_6_0" / peer["file"]) as f:
+            assert json.load(f) == peer["configs"]
+    (root / "configs" / "notes.txt").write_text("keep")
+    with pytest.raises(RuntimeError, match="did not write"):
+        be.moe_config_dir(str(root), args.peer_configs, "3.6.0")
+    assert (root / "configs" / "notes.txt").read_text() == "keep"
+    res = {"settings": {}, "arms": {}}
+    be.merge_arm(res, "fp8", frag({"16": 100.0}))
+    be.merge_arm(res, "fp8_tuned", frag({"16": 125.0}))
+    be.merge_arm(res, "quads_off", frag({"16": 150.0}))
+    assert be.ratios(res) == {"quads_off/fp8": {"16": 1.5}, "quads_off/fp8_tuned": {"16": 1.2}}
+    log = ("[x] Using default MoE kernel config. Performance might be sub-optimal! Config file not found at "
+           "/c/triton_3_6_0/E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3,dtype=fp8_w8a8.json\n"
+           "Config file not found at /c/triton_3_6_0/E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3.json\n")  # fmt: skip
+    down = ("Using default MoE kernel config. Performance might be sub-optimal! Config file not found at "
+            "/c/triton_3_6_0/E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3,dtype=fp8_w8a8_down.json")  # fmt: skip
+    assert len(be.config_misses(log)) == 1 and be.config_misses("arm fp8_tuned batch 16: 7000 tok/s") == []
+    assert be.config_misses(down) == []  # SGLang reuses the tuned up-projection config then
+    res["arms"]["fp8_tuned"]["config_misses"] = be.config_misses(log)
+    res.update(date="2026-12-06", device={"name": "cpu"}, versions={}, ratios=be.ratios(res))
+    res["settings"] = {"layers": 12, "vocab": 1, "input_len": 1, "new_tokens": 2, "repeats": 1, "tiny": False}
+    assert "- fp8_tuned: WARNING, SGLang found no tuned config here" in be.markdown(res)
+
+
 @pytest.mark.parametrize(
     "argv",
     [["--arms", "bf16,nope"], ["--batches", "16,x"], ["--batches", "0"], ["--layers", "4", "--check-layers", "4"]],
@@ -341,24 +386,33 @@ def test_moe_block_dry_run_row(tmp_path):
 
 
 def test_moe_block_tuned_fp8_peer_candidates_and_config_file():
-    """sglang_fp8_tuned tries SGLang's own config first, then each PEER_GRID point once; its winners are
-    written under the file name SGLang looks up for this GPU and shape, keyed by token count."""
+    """A tuned FP8 arm tries SGLang's own config first, then each point of its grid once; its winners are
+    written under the file name SGLang looks up for this GPU, shape and weight format, keyed by tokens."""
     shipped = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 32, "num_warps": 4,
                "num_stages": 3}  # fmt: skip
-    cands = bmb.peer_candidates(shipped)
+    block_grid = bmb.PEER_GRIDS["sglang_fp8"]
+    cands = bmb.peer_candidates(shipped, block_grid)
     grid = 1
-    for values in bmb.PEER_GRID.values():
+    for values in block_grid.values():
         grid *= len(values)
     assert cands[0] == shipped and len(cands) == grid + 1
     assert all(c not in cands[:i] for i, c in enumerate(cands))
     in_grid = dict(cands[1])
-    assert bmb.peer_candidates(in_grid)[0] == in_grid and len(bmb.peer_candidates(in_grid)) == grid
-    assert all(c["BLOCK_SIZE_K"] == bmb.FP8_BLOCK for c in cands)
-    rows = [{"tokens": 16, "sglang_fp8_tuned_config": cands[3]}, {"tokens": 64}]
-    f = bmb.tuned_config_file({"shape": bmb.SHAPE, "device": {"name": "NVIDIA H100 80GB HBM3"}, "rows": rows})
-    assert f == {
+    assert bmb.peer_candidates(in_grid, block_grid)[0] == in_grid
+    assert len(bmb.peer_candidates(in_grid, block_grid)) == grid
+    assert all(c["BLOCK_SIZE_K"] == bmb.FP8_BLOCK for c in cands)  # one block scale per K step
+    assert {c["BLOCK_SIZE_K"] for c in bmb.peer_candidates(None, bmb.PEER_GRIDS["sglang_fp8_tensor"])} == {128, 256}
+    assert set(bmb.TUNED_ARMS) == set(bmb.TUNED_FILES) and set(bmb.TUNED_ARMS) <= set(bmb.ARMS)
+    rows = [{"tokens": 16, "sglang_fp8_tuned_config": cands[3], "sglang_fp8_tensor_tuned_config": cands[4]},
+            {"tokens": 64}]  # fmt: skip
+    result = {"shape": bmb.SHAPE, "device": {"name": "NVIDIA H100 80GB HBM3"}, "rows": rows}
+    assert bmb.tuned_config_file(result, "sglang_fp8_tuned") == {
         "file": "E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3,dtype=fp8_w8a8,block_shape=[128, 128].json",
         "configs": {"16": cands[3]},
+    }
+    assert bmb.tuned_config_file(result, "sglang_fp8_tensor_tuned") == {
+        "file": "E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3,dtype=fp8_w8a8.json",
+        "configs": {"16": cands[4]},
     }
     row = {"tokens": 16, "hbm_floor_us": 50.0, "fp8_floor_us": 100.0, "ours_us": 100.0, "sglang_fp8_us": 200.0,
            "sglang_fp8_tuned_us": 150.0, "sglang_fp8_tuned_config": cands[3], "sglang_fp8_tuned_timed": grid + 1,
@@ -371,7 +425,7 @@ def test_moe_block_tuned_fp8_peer_candidates_and_config_file():
     )  # fmt: skip
     assert "fp8 no (its default), bf16 yes" in md and "| 1.50 |" in md
     assert f"- 16 tokens ({grid + 1} timed): BLOCK_SIZE_M" in md
-    row = bmb.measure(4, {"experts": 4, "hidden": 128, "inter": 128, "topk": 2},
-                      bmb.make_inputs({"experts": 4, "hidden": 128, "inter": 128, "topk": 2}, "cpu"), None,
-                      bmb.parse_args(["--dry-run", "--arms", "sglang_fp8_tuned"]), print)  # fmt: skip
-    assert row["errors"] == {"sglang_fp8_tuned": "SGLang's fused MoE needs CUDA and sglang"}
+    shape = {"experts": 4, "hidden": 128, "inter": 128, "topk": 2}
+    args = bmb.parse_args(["--dry-run", "--arms", "sglang_fp8_tuned,sglang_fp8_tensor_tuned"])
+    row = bmb.measure(4, shape, bmb.make_inputs(shape, "cpu"), None, args, print)
+    assert row["errors"] == {a: "SGLang's fused MoE needs CUDA and sglang" for a in bmb.TUNED_ARMS}
