@@ -281,7 +281,7 @@ def markdown(results: dict) -> str:
             f"out, {c['cpu_count']} CPUs).",
             "",
         ]
-    arms = [a for a in ("bf16", "fp8", "fp8_tuned", *QUADS_ARMS) if a in results.get("arms", {})]
+    arms = [a for a in ARMS if a != "layercheck" and a in results.get("arms", {})]
     for key, title, spec in (("output_tok_s", "Output tok/s", ".0f"), ("decode_tok_s", "Decode tok/s", ".0f"),
                              ("step_ms", "Decode step, ms", ".2f")):  # fmt: skip
         rows = []

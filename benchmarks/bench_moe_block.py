@@ -480,7 +480,7 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
     fns = {"ours": ours(), "ours_rac50": ours(rac_dyn), "ours_rac50_static": ours(rac_static)}
     fns["ours_torch_route"] = ours_torch_route
     fns["torch_bf16"] = lambda: torch_bf16_block(t, inp, shape["topk"])
-    for arm in ("sglang_fp8", "sglang_fp8_tuned", "sglang_fp8_tensor", "sglang_fp8_tensor_tuned", "sglang_bf16"):
+    for arm in (a for a in ARMS if a.startswith("sglang")):
         if arm not in args.arms:
             continue
         if sgl is None:

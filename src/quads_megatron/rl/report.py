@@ -94,7 +94,6 @@ def collect(rd: RunDir) -> dict[str, Any]:
         rec |= {"label": arm.label, "rac_ratio": arm.rac_ratio, "qat": arm.qat, "rollout": arm.rollout}
         rec["attribution"] = (done or {}).get("attribution")
         rec["summary"] = arm_summary(rows) if rows else None
-        rec["trend"] = arm_trend(rows)
         out["arms"][stage] = rec
     out["claims"] = claims({n: a["summary"] for n, a in out["arms"].items() if a["summary"]}, spec.arms)
     return out
