@@ -115,6 +115,23 @@ def config_misses(log_text: str) -> list[str]:
     )
 
 
+def peer_coverage(peer_files: list[str], batches: list[int], input_len: int) -> list[str]:
+    """Where a tuned-config file stops short of the engine's forwards: SGLang takes the config of the token
+    count nearest each forward's, so prefill forwards (up to max(batch) x input_len tokens, chunked by SGLang)
+    past the file's largest entry run on that entry's config. One line per such file (none: covered)."""
+    longest = max(batches) * input_len
+    out = []
+    for path in peer_files:
+        peer = read_peer_file(path)
+        top = max(int(k) for k in peer["configs"])
+        if top < longest:
+            out.append(
+                f"{peer['file']}: tuned up to {top} tokens; prefill forwards of up to {longest} tokens take its "
+                f"{top}-token config (tune the block at the engine's prefill sizes too)"
+            )
+    return out
+
+
 def read_peer_file(path: str) -> dict:
     """A tuned-config file of bench_moe_block.py, checked: {"file": "E=...json", "configs": {tokens: {...}}}."""
     with open(path) as f:
@@ -310,6 +327,8 @@ def markdown(results: dict) -> str:
             lines.append(f"- {a}: batch {b} FAILED: {e}")
         for miss in r.get("config_misses", []):
             lines.append(f"- {a}: WARNING, SGLang found no tuned config here (the arm is not tuned): {miss}")
+        for short in r.get("config_coverage", []):
+            lines.append(f"- {a}: WARNING, {short}")
         if r.get("error"):
             lines.append(f"- {a}: {r['error']}")
     chk = results.get("gpu_bound_check", {})
@@ -496,8 +515,11 @@ def main(argv: list[str] | None = None) -> int:
             if arm == "fp8_tuned":
                 with open(os.path.join(args.workdir, "logs", f"{arm}.log"), errors="replace") as f:
                     frag["config_misses"] = config_misses(f.read())
+                frag["config_coverage"] = peer_coverage(args.peer_configs, batches, args.input_len)
                 for line in frag["config_misses"]:
                     log(f"WARN fp8_tuned: SGLang did not use a tuned config: {line}")
+                for line in frag["config_coverage"]:
+                    log(f"WARN fp8_tuned: {line}")
             merge_arm(results, arm, frag)
             finish(results, json_path, args)
     finish(results, json_path, args)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine, after the staging calls: install TE 2.20.2 + megatron-core 0.19.2, SGLang 0.5.17 and
 # this project (as a wheel) into one site folder, /tmp/site. Idempotent; writes /tmp/quads_env.sh.
-# QUADS_STACK=sglang: SGLang and the project only, from one carry (sg: a/ + b/ + proj/, no staging call); then
+# QUADS_STACK=sglang: SGLang and the project only, from the sg carry (a/ + b/ + proj/) after stage.sh of sgk
+# (sglang-kernel: sg with it and the tracked tree pass the 64 MiB a call carries); then
 # QUADS_STACK=sglang with the sga carry adds the audio wheels `sglang.launch_server` imports (audio/).
 # Each stack is installed once (a marker file per stack); a later full install adds TE to an SGLang-only one.
 set -euo pipefail

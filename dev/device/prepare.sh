@@ -3,9 +3,10 @@
 #   s0..s3: Transformer Engine's core wheel, parts 0-3 (fetch_te_core.sh output, 60 MiB each)
 #   s4:     core part 4 + TE's Python wheels + megatron-core 0.19.2 + SGLang set b (flashinfer) + the project
 #   s5:     SGLang set a (sglang 0.5.17, sglang-kernel, transformers 5.12.1, ...) + this project as a wheel
-#   sg:     SGLang sets a (without soundfile and its cffi: audio only, imported lazily) and b + the project: the
-#           SGLang-only stack in one call (QUADS_STACK=sglang); after it, s0..s3 staged + s4 installed add TE
-#           to that stack (install.sh .dev/carry/s4)
+#   sgk:    sglang-kernel alone (stage.sh .dev/carry/sgk first: sg with it and the tracked tree pass 64 MiB)
+#   sg:     SGLang sets a (without sglang-kernel, and without soundfile and its cffi: audio only, imported
+#           lazily) and b + the project: with sgk staged, the SGLang-only stack (QUADS_STACK=sglang); after
+#           it, s0..s3 staged + s4 installed add TE to that stack (install.sh .dev/carry/s4)
 #   sga:    the three audio wheels sg leaves out (soundfile, cffi, pycparser): `sglang.launch_server` imports
 #           soundfile at start, the Engine does not; install.sh .dev/carry/sga adds them to an sg stack
 # Inputs: .dev/te/p0..p4 (../shared/device/fetch_te_core.sh .dev/te), .dev/sgl/{a,b}
@@ -26,6 +27,7 @@ cp -r .dev/sgl/a/. "$C/s5/a/"
 python3 -m pip wheel -q --no-deps -w "$C/s5/proj" . 2>&1 | grep -v "^WARNING: Location" || true
 mkdir -p "$C/sg/a" "$C/sg/b" "$C/s4/proj"
 cp -r .dev/sgl/a/. "$C/sg/a/" && rm -f "$C"/sg/a/{soundfile,cffi,pycparser}-*.whl
+mkdir -p "$C/sgk/a" && mv "$C"/sg/a/sglang_kernel-*.whl "$C/sgk/a/"
 cp .dev/sgl/b/*.whl "$C/sg/b/"
 mkdir -p "$C/sga/audio" && cp .dev/sgl/a/{soundfile,cffi,pycparser}-*.whl "$C/sga/audio/"
 cp -r "$C/s5/proj" "$C/sg/" && cp "$C"/s5/proj/*.whl "$C/s4/proj/"

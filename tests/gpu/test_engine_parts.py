@@ -336,6 +336,12 @@ def test_bench_engine_fp8_tuned_serves_the_tuned_configs(tmp_path, capsys):
     res.update(date="2026-12-06", device={"name": "cpu"}, versions={}, ratios=be.ratios(res))
     res["settings"] = {"layers": 12, "vocab": 1, "input_len": 1, "new_tokens": 2, "repeats": 1, "tiny": False}
     assert "- fp8_tuned: WARNING, SGLang found no tuned config here" in be.markdown(res)
+    # the peer file above is tuned up to 16 tokens: batch 4 x 4 input tokens is covered, batch 64 x 64 not
+    assert be.peer_coverage(args.peer_configs, [1, 4], 4) == []
+    short = be.peer_coverage(args.peer_configs, [16, 64], 64)
+    assert len(short) == 1 and "tuned up to 16 tokens" in short[0] and "4096 tokens" in short[0]
+    res["arms"]["fp8_tuned"]["config_coverage"] = short
+    assert f"- fp8_tuned: WARNING, {short[0]}" in be.markdown(res)
 
 
 @pytest.mark.parametrize(
