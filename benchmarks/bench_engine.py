@@ -115,6 +115,19 @@ def config_misses(log_text: str) -> list[str]:
     )
 
 
+def config_used(log_text: str, root: str) -> bool:
+    """Whether an arm's log shows SGLang reading a fused-MoE config under root: its info line for a found
+    file, or its warning that it reuses the found up-projection config for the down projection (no
+    `_down` file is written). Neither: the engine may not have run SGLang's Triton MoE with these files."""
+    keys = ("Using MoE kernel config from", "reusing the tuned up-projection config")
+    return any(root in ln and any(k in ln for k in keys) for ln in log_text.splitlines())
+
+
+def peer_configs_of(peer_files: list[str]) -> dict:
+    """{SGLang file name: {tokens: config}} of the tuned-config files (what an fp8_tuned result ran with)."""
+    return {peer["file"]: peer["configs"] for peer in map(read_peer_file, peer_files)}
+
+
 def peer_coverage(peer_files: list[str], batches: list[int], input_len: int) -> list[str]:
     """Where a tuned-config file stops short of the engine's forwards: SGLang takes the config of the token
     count nearest each forward's, so prefill forwards (up to max(batch) x input_len tokens, chunked by SGLang)
@@ -415,11 +428,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.peer_configs = [p for p in args.peer_configs.split(",") if p]
     if "fp8_tuned" in args.arms and not args.peer_configs:
         ap.error("--arms fp8_tuned needs --peer-configs (bench_moe_block.py's sglang_fp8_*_tuned.json)")
+    names: dict[str, str] = {}
     for path in args.peer_configs:
         try:
-            read_peer_file(path)
+            name = read_peer_file(path)["file"]
         except (OSError, ValueError) as e:
             ap.error(f"--peer-configs: {e}")
+        if name in names:
+            ap.error(f"--peer-configs: {names[name]} and {path} are both {name} (one would overwrite the other)")
+        names[name] = path
     args.tiny = args.tiny or args.dry_run
     if args.out is None:
         results = RESULTS
@@ -462,6 +479,12 @@ def load_results(args) -> dict:
         raise SystemExit(
             f"bench_engine: --resume: {path} holds settings {results.get('settings')}, this run {settings}; "
             "use the same settings or another --out"
+        )
+    ran = results.get("arms", {}).get("fp8_tuned", {}).get("peer_configs")
+    if "fp8_tuned" in args.arms and ran is not None and ran != peer_configs_of(args.peer_configs):
+        raise SystemExit(
+            f"bench_engine: --resume: {path}'s fp8_tuned ran with other tuned configs than --peer-configs; "
+            "pass the same files or another --out"
         )
     there, here = (results.get("device") or {}).get("name"), bench_env.device_info()["name"]
     if there is not None and there != here:
@@ -514,8 +537,12 @@ def main(argv: list[str] | None = None) -> int:
             frag = run_child(arm, batches, prep["dirs"][arm], args, log)
             if arm == "fp8_tuned":
                 with open(os.path.join(args.workdir, "logs", f"{arm}.log"), errors="replace") as f:
-                    frag["config_misses"] = config_misses(f.read())
+                    text = f.read()
+                frag["config_misses"] = config_misses(text)
+                if not config_used(text, os.path.join(args.workdir, "sglang_moe_configs")):
+                    frag["config_misses"].append("no sign in its log that SGLang read the tuned configs")
                 frag["config_coverage"] = peer_coverage(args.peer_configs, batches, args.input_len)
+                frag["peer_configs"] = peer_configs_of(args.peer_configs)
                 for line in frag["config_misses"]:
                     log(f"WARN fp8_tuned: SGLang did not use a tuned config: {line}")
                 for line in frag["config_coverage"]:
@@ -549,6 +576,8 @@ def run_child(arm: str, batches: list[int], model: str, args, log) -> dict:
         os.remove(spec["fragment"])
     log_path = os.path.join(args.workdir, "logs", f"{arm}.log")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1")
+    if env.pop("SGLANG_MOE_CONFIG_DIR", None) is not None:  # every arm but fp8_tuned runs SGLang's own configs
+        log(f"arm {arm}: SGLANG_MOE_CONFIG_DIR of this shell not passed on")
     if arm == "fp8_tuned":
         import triton
 

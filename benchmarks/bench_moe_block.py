@@ -566,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
+    if os.environ.pop("SGLANG_MOE_CONFIG_DIR", None) is not None:  # "shipped" must mean SGLang's own files
+        log("SGLANG_MOE_CONFIG_DIR of this shell ignored: the SGLang arms start from the configs SGLang ships")
     result = {**bench_env.header(), "shape": shape, "hbm_tbps": args.hbm_tbps, "dry_run": args.dry_run, "rows": []}
     t0 = time.time()
     inp = make_inputs(shape, args.device)

@@ -293,7 +293,7 @@ def test_bench_results_merge_ratios_check_and_markdown(tmp_path, monkeypatch):
         be.load_results(args)
 
 
-def test_bench_engine_fp8_tuned_serves_the_tuned_configs(tmp_path, capsys):
+def test_bench_engine_fp8_tuned_serves_the_tuned_configs(tmp_path, capsys, monkeypatch):
     """fp8_tuned: the peer files are checked when the arguments are parsed; their configs are laid out as an
     SGLANG_MOE_CONFIG_DIR at the path SGLang looks up; a folder it did not write is refused, not removed."""
     peer = {"file": "E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3,dtype=fp8_w8a8.json",
@@ -331,7 +331,15 @@ def test_bench_engine_fp8_tuned_serves_the_tuned_configs(tmp_path, capsys):
     down = ("Using default MoE kernel config. Performance might be sub-optimal! Config file not found at "
             "/c/triton_3_6_0/E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3,dtype=fp8_w8a8_down.json")  # fmt: skip
     assert len(be.config_misses(log)) == 1 and be.config_misses("arm fp8_tuned batch 16: 7000 tok/s") == []
-    assert be.config_misses(down) == []  # SGLang reuses the tuned up-projection config then
+    # a `_down` line is not counted: with the up file missing SGLang logs that miss on its own line; with
+    # it found, SGLang reuses it for the down projection
+    assert be.config_misses(down) == []
+    reuse = ("[2026-12-06 04:34:29] Down MoE config file not found at /w/sglang_moe_configs/configs/triton_3_6_0/"
+             "E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3,dtype=fp8_w8a8_down.json; reusing the tuned "
+             "up-projection config without TMA. Performance might be sub-optimal.")  # fmt: skip
+    assert be.config_used(reuse, "/w/sglang_moe_configs") and not be.config_used(reuse, "/elsewhere")
+    assert be.config_used("Using MoE kernel config from /w/sglang_moe_configs/configs/x.json.", "/w/sglang_moe_configs")
+    assert not be.config_used(log + down, "/c")  # misses only: no sign that a tuned file was read
     res["arms"]["fp8_tuned"]["config_misses"] = be.config_misses(log)
     res.update(date="2026-12-06", device={"name": "cpu"}, versions={}, ratios=be.ratios(res))
     res["settings"] = {"layers": 12, "vocab": 1, "input_len": 1, "new_tokens": 2, "repeats": 1, "tiny": False}
@@ -342,6 +350,24 @@ def test_bench_engine_fp8_tuned_serves_the_tuned_configs(tmp_path, capsys):
     assert len(short) == 1 and "tuned up to 16 tokens" in short[0] and "4096 tokens" in short[0]
     res["arms"]["fp8_tuned"]["config_coverage"] = short
     assert f"- fp8_tuned: WARNING, {short[0]}" in be.markdown(res)
+    # two files under one SGLang name would overwrite each other: refused; a resume with other configs too
+    twin = tmp_path / "twin.json"
+    twin.write_text(json.dumps({**peer, "configs": {"64": peer["configs"]["16"]}}))
+    with pytest.raises(SystemExit):
+        be.parse_args(["--arms", "fp8_tuned", "--peer-configs", f"{good},{twin}"])
+    assert "both" in capsys.readouterr().err
+    out = ["--out", str(tmp_path / "o"), "--workdir", str(tmp_path / "w")]
+    args = be.parse_args(["--arms", "fp8_tuned", "--peer-configs", str(good), *out])
+    monkeypatch.setattr(be, "RESULTS", str(tmp_path / "committed"))  # not the repository's own results
+    res = be.load_results(args)
+    res.update(date="2026-12-06", device={"name": "cpu"}, versions={})
+    be.merge_arm(res, "fp8_tuned", {**frag({"16": 125.0}), "peer_configs": be.peer_configs_of([str(good)])})
+    be.finish(res, str(tmp_path / "o" / "bench_engine.json"), args)
+    again = be.parse_args(["--arms", "fp8_tuned", "--peer-configs", str(good), "--resume", *out])
+    assert be.load_results(again)["arms"]["fp8_tuned"]["batches"]["16"]
+    other = be.parse_args(["--arms", "fp8_tuned", "--peer-configs", str(twin), "--resume", *out])
+    with pytest.raises(SystemExit, match="other tuned configs"):
+        be.load_results(other)
 
 
 @pytest.mark.parametrize(
