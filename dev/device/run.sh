@@ -20,8 +20,9 @@
 # the block up to the engine's prefill sizes too (--tokens 16,64,256,1024,4096,16384; bench_engine warns where a
 # file stops short). Give an arm 200 s or more: a fresh machine's first engine start took 130-148 s.
 # rl runs one resumable piece of the `quads rl` study in $RL_RUN (default /tmp/rl_run; kept while the machine
-# stays warm) with arguments from RL_ARGS, its budget SECONDS - 90; call it again to resume. rl-smoke (e.g. rl-smoke:330): the study of tests/gpu/test_rl_gpu.py (arms bf16, naive,
-# quads for 3 steps on a 2-layer model) in /tmp/rl_smoke, budget SECONDS - 60; it resumes too, and rl-test
+# stays warm) with arguments from RL_ARGS, its budget SECONDS - 90; call it again to resume. rl-smoke (e.g.
+# rl-smoke:330): the study of tests/gpu/test_rl_gpu.py (arms bf16, naive, quads for 3 steps on a 2-layer
+# model) in /tmp/rl_smoke, budget SECONDS - 60; it resumes too, and rl-test
 # then checks that directory (resuming it if needed). rl copies the summary (rl_summary.md/.json, plots) to
 # $OUT, rl-smoke its rl_summary.md/.json to $OUT/smoke (few files come back per call).
 set -u
