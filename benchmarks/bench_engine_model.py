@@ -192,7 +192,8 @@ def remove_own(path: str) -> None:
 
 def prepare(args, log) -> dict:
     """The bf16 checkpoint, its conversion and the serving folders under the workdir (reused when an
-    earlier run of the same settings left them complete)."""
+    earlier run of the same settings left them complete). The conversion only where an arm serves it (a
+    run of fp8 / fp8_tuned / bf16 alone skips its minutes), or for --prepare-only."""
     shape = TINY if args.tiny else SHAPE
     cfg = model_config(args.layers, args.vocab, shape)
     root = os.path.join(args.workdir, f"{'tiny-' if args.tiny else ''}L{args.layers}-V{args.vocab}")
@@ -208,7 +209,8 @@ def prepare(args, log) -> dict:
         with open(marker, "w") as f:
             json.dump(cfg, f)
         bench_env.write_json(info_path, info)
-    if not os.path.exists(os.path.join(nvfp4, "hf_quant_config.json")):
+    quantized = args.prepare_only or any(a in QUADS_ARMS or a == "layercheck" for a in args.arms)
+    if quantized and not os.path.exists(os.path.join(nvfp4, "hf_quant_config.json")):
         remove_own(nvfp4)  # a conversion cut short (the converter itself resumes from nvfp4.partial)
         files = calibrate_random(calib, cfg, args.device)
         yaml_path = os.path.join(root, "static.yaml")
@@ -232,6 +234,8 @@ def prepare(args, log) -> dict:
         info["convert"]["stdout"] = proc.stdout.strip()[-300:]
         bench_env.write_json(info_path, info)
     dirs = {"bf16": bf16, "fp8": bf16, "fp8_tuned": bf16}
+    if not quantized:
+        return {"config": cfg, "dirs": dirs, **info}
     for arm in QUADS_ARMS:
         dirs[arm] = serving_dir(nvfp4, os.path.join(root, arm), rollout_config(arm))
     dirs["layercheck"] = serving_dir(

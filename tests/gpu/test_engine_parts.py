@@ -202,8 +202,10 @@ def test_bench_prepare_writes_arm_folders(tmp_path):
     a layer subset; folders the benchmark did not write are refused, not deleted."""
     work, out = tmp_path / "w", tmp_path / "o"
     argv = ["--dry-run", "--layers", "2", "--check-layers", "1", "--vocab", "256", "--workdir", str(work)]
-    assert be.main([*argv, "--out", str(out)]) == 0
+    assert be.main([*argv, "--arms", "fp8,bf16", "--out", str(tmp_path / "peers")]) == 0  # no quads arm
     root = work / "tiny-L2-V256"
+    assert (root / "bf16").is_dir() and not (root / "nvfp4").exists() and not (root / "quads_dyn").exists()
+    assert be.main([*argv, "--out", str(out)]) == 0  # the same checkpoint, now converted
     for arm in bem.QUADS_ARMS:
         with open(root / arm / "hf_quant_config.json") as f:
             quads = json.load(f)["quads"]
