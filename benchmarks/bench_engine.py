@@ -80,12 +80,16 @@ def engine_kwargs(spec: dict) -> dict:
 MOE_CONFIGS_MARK = ".quads_bench_moe_configs"
 
 
-def moe_config_dir(root: str, peer_files: list[str], triton_version: str) -> str:
-    """An SGLANG_MOE_CONFIG_DIR holding the tuned fused-MoE configs of peer_files (bench_moe_block.py's
-    TUNED_FILES: {"file": SGLang's name, "configs": {tokens: config}}) at configs/triton_<version>/<file>.
-    Rewritten on every call; an existing root is removed only when it is one this function wrote (its mark
-    and SGLang config files, nothing else). Returns root."""
-    peers = [read_peer_file(p) for p in peer_files]  # all checked before anything is removed or written
+def moe_configs_root(args) -> str:
+    """Where the fp8_tuned arm's SGLANG_MOE_CONFIG_DIR lives (inside the workdir)."""
+    return os.path.join(args.workdir, "sglang_moe_configs")
+
+
+def moe_config_dir(root: str, peers: list[dict], triton_version: str) -> str:
+    """An SGLANG_MOE_CONFIG_DIR holding the tuned fused-MoE configs of peers (read_peer_file's checked
+    bench_moe_block.py TUNED_FILES: {"file": SGLang's name, "configs": {tokens: config}}) at
+    configs/triton_<version>/<file>. Rewritten on every call; an existing root is removed only when it is one
+    this function wrote (its mark and SGLang config files, nothing else). Returns root."""
     if os.path.lexists(root):
         found = [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs]
         own = [f for f in found if f == MOE_CONFIGS_MARK or (f.startswith("configs/triton_") and f.endswith(".json"))]
@@ -123,19 +127,18 @@ def config_used(log_text: str, root: str) -> bool:
     return any(root in ln and any(k in ln for k in keys) for ln in log_text.splitlines())
 
 
-def peer_configs_of(peer_files: list[str]) -> dict:
+def peer_configs_of(peers: list[dict]) -> dict:
     """{SGLang file name: {tokens: config}} of the tuned-config files (what an fp8_tuned result ran with)."""
-    return {peer["file"]: peer["configs"] for peer in map(read_peer_file, peer_files)}
+    return {peer["file"]: peer["configs"] for peer in peers}
 
 
-def peer_coverage(peer_files: list[str], batches: list[int], input_len: int) -> list[str]:
+def peer_coverage(peers: list[dict], batches: list[int], input_len: int) -> list[str]:
     """Where a tuned-config file stops short of the engine's forwards: SGLang takes the config of the token
     count nearest each forward's, so prefill forwards (up to max(batch) x input_len tokens, chunked by SGLang)
     past the file's largest entry run on that entry's config. One line per such file (none: covered)."""
     longest = max(batches) * input_len
     out = []
-    for path in peer_files:
-        peer = read_peer_file(path)
+    for peer in peers:
         top = max(int(k) for k in peer["configs"])
         if top < longest:
             out.append(
@@ -429,11 +432,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "fp8_tuned" in args.arms and not args.peer_configs:
         ap.error("--arms fp8_tuned needs --peer-configs (bench_moe_block.py's sglang_fp8_*_tuned.json)")
     names: dict[str, str] = {}
+    args.peers = []  # the files read and checked once, here, before anything is written
     for path in args.peer_configs:
         try:
-            name = read_peer_file(path)["file"]
+            args.peers.append(read_peer_file(path))
         except (OSError, ValueError) as e:
             ap.error(f"--peer-configs: {e}")
+        name = args.peers[-1]["file"]
         if name in names:
             ap.error(f"--peer-configs: {names[name]} and {path} are both {name} (one would overwrite the other)")
         names[name] = path
@@ -481,7 +486,7 @@ def load_results(args) -> dict:
             "use the same settings or another --out"
         )
     ran = results.get("arms", {}).get("fp8_tuned", {}).get("peer_configs")
-    if "fp8_tuned" in args.arms and ran is not None and ran != peer_configs_of(args.peer_configs):
+    if "fp8_tuned" in args.arms and ran is not None and ran != peer_configs_of(args.peers):
         raise SystemExit(
             f"bench_engine: --resume: {path}'s fp8_tuned ran with other tuned configs than --peer-configs; "
             "pass the same files or another --out"
@@ -539,10 +544,10 @@ def main(argv: list[str] | None = None) -> int:
                 with open(os.path.join(args.workdir, "logs", f"{arm}.log"), errors="replace") as f:
                     text = f.read()
                 frag["config_misses"] = config_misses(text)
-                if not config_used(text, os.path.join(args.workdir, "sglang_moe_configs")):
+                if not config_used(text, moe_configs_root(args)):
                     frag["config_misses"].append("no sign in its log that SGLang read the tuned configs")
-                frag["config_coverage"] = peer_coverage(args.peer_configs, batches, args.input_len)
-                frag["peer_configs"] = peer_configs_of(args.peer_configs)
+                frag["config_coverage"] = peer_coverage(args.peers, batches, args.input_len)
+                frag["peer_configs"] = peer_configs_of(args.peers)
                 for line in frag["config_misses"]:
                     log(f"WARN fp8_tuned: SGLang did not use a tuned config: {line}")
                 for line in frag["config_coverage"]:
@@ -581,8 +586,7 @@ def run_child(arm: str, batches: list[int], model: str, args, log) -> dict:
     if arm == "fp8_tuned":
         import triton
 
-        root = os.path.join(args.workdir, "sglang_moe_configs")
-        env["SGLANG_MOE_CONFIG_DIR"] = moe_config_dir(root, args.peer_configs, triton.__version__)
+        env["SGLANG_MOE_CONFIG_DIR"] = moe_config_dir(moe_configs_root(args), args.peers, triton.__version__)
     log(f"arm {arm}: batches {batches} on {model} (log {log_path})")
     t0 = time.time()
     with open(log_path, "w") as f:

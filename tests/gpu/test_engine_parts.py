@@ -315,12 +315,12 @@ def test_bench_engine_fp8_tuned_serves_the_tuned_configs(tmp_path, capsys, monke
     args = be.parse_args(["--arms", "fp8,fp8_tuned", "--peer-configs", str(good)])
     root = tmp_path / "moe"
     for _ in range(2):  # the second call replaces what the first wrote
-        assert be.moe_config_dir(str(root), args.peer_configs, "3.6.0") == str(root)
+        assert be.moe_config_dir(str(root), args.peers, "3.6.0") == str(root)
         with open(root / "configs" / "triton_3_6_0" / peer["file"]) as f:
             assert json.load(f) == peer["configs"]
     (root / "configs" / "notes.txt").write_text("keep")
     with pytest.raises(RuntimeError, match="did not write"):
-        be.moe_config_dir(str(root), args.peer_configs, "3.6.0")
+        be.moe_config_dir(str(root), args.peers, "3.6.0")
     assert (root / "configs" / "notes.txt").read_text() == "keep"
     res = {"settings": {}, "arms": {}}
     be.merge_arm(res, "fp8", frag({"16": 100.0}))
@@ -347,8 +347,8 @@ def test_bench_engine_fp8_tuned_serves_the_tuned_configs(tmp_path, capsys, monke
     res["settings"] = {"layers": 12, "vocab": 1, "input_len": 1, "new_tokens": 2, "repeats": 1, "tiny": False}
     assert "- fp8_tuned: WARNING, SGLang found no tuned config here" in be.markdown(res)
     # the peer file above is tuned up to 16 tokens: batch 4 x 4 input tokens is covered, batch 64 x 64 not
-    assert be.peer_coverage(args.peer_configs, [1, 4], 4) == []
-    short = be.peer_coverage(args.peer_configs, [16, 64], 64)
+    assert be.peer_coverage(args.peers, [1, 4], 4) == []
+    short = be.peer_coverage(args.peers, [16, 64], 64)
     assert len(short) == 1 and "tuned up to 16 tokens" in short[0] and "4096 tokens" in short[0]
     res["arms"]["fp8_tuned"]["config_coverage"] = short
     assert f"- fp8_tuned: WARNING, {short[0]}" in be.markdown(res)
@@ -363,7 +363,7 @@ def test_bench_engine_fp8_tuned_serves_the_tuned_configs(tmp_path, capsys, monke
     monkeypatch.setattr(be, "RESULTS", str(tmp_path / "committed"))  # not the repository's own results
     res = be.load_results(args)
     res.update(date="2026-12-06", device={"name": "cpu"}, versions={})
-    be.merge_arm(res, "fp8_tuned", {**frag({"16": 125.0}), "peer_configs": be.peer_configs_of([str(good)])})
+    be.merge_arm(res, "fp8_tuned", {**frag({"16": 125.0}), "peer_configs": be.peer_configs_of(args.peers)})
     be.finish(res, str(tmp_path / "o" / "bench_engine.json"), args)
     again = be.parse_args(["--arms", "fp8_tuned", "--peer-configs", str(good), "--resume", *out])
     assert be.load_results(again)["arms"]["fp8_tuned"]["batches"]["16"]
