@@ -374,8 +374,7 @@ class SGLangMoE:
         if arm == "sglang_bf16":
             w13, w2, kw = inp["w13"], inp["w2"], {}
         else:
-            w13, s13, w2, s2 = inp["fp8_tensor" if arm == "sglang_fp8_tensor" else "fp8_block"]
-            block = None if arm == "sglang_fp8_tensor" else [FP8_BLOCK, FP8_BLOCK]
+            w13, s13, w2, s2, block = self.fp8_weights(arm, inp)
             kw = dict(use_fp8_w8a8=True, w1_scale=s13, w2_scale=s2, block_shape=block)
 
         def call():
@@ -385,12 +384,18 @@ class SGLangMoE:
         return call
 
     @staticmethod
+    def fp8_weights(arm: str, inp: dict) -> tuple:
+        """An FP8 arm's (w13, w13 scales, w2, w2 scales, block_shape): per-tensor for sglang_fp8_tensor,
+        128x128 blocks for sglang_fp8."""
+        per_tensor = arm == "sglang_fp8_tensor"
+        return (*inp["fp8_tensor" if per_tensor else "fp8_block"], None if per_tensor else [FP8_BLOCK, FP8_BLOCK])
+
+    @staticmethod
     def shipped_config(arm: str, inp: dict, tokens: int, topk: int) -> dict:
         """The config SGLang picks for an FP8 arm's call at this token count (its file's or its default)."""
         from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config import try_get_optimal_moe_config
 
-        w13, _, w2, _ = inp["fp8_tensor" if arm == "sglang_fp8_tensor" else "fp8_block"]
-        block = None if arm == "sglang_fp8_tensor" else [FP8_BLOCK, FP8_BLOCK]
+        w13, _, w2, _, block = SGLangMoE.fp8_weights(arm, inp)
         cfg = try_get_optimal_moe_config(w13.shape, w2.shape, topk, "fp8_w8a8", tokens, block_shape=block)
         return dict(cfg[0] if isinstance(cfg, tuple) else cfg)
 
