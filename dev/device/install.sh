@@ -7,12 +7,12 @@
 # Each stack is installed once (a marker file per stack); a later full install adds TE to an SGLang-only one.
 set -euo pipefail
 S=/tmp/qstage SITE=/tmp/site
-[ -d "${1:-}" ] && cp -a "$1"/. "$S"/   # the last carry (s5, sg or s4) is installed straight from the checkout
+[ -d "${1:-}" ] && cp -a "$1"/. "$S"/   # the last carry (full/sN, sg or sga) is installed straight from the checkout
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$@"; }
 STACK=${QUADS_STACK:-all}
 if [ "$STACK" != sglang ] && [ ! -f "$SITE/.te_installed" ]; then
   core=/tmp/te_core/transformer_engine_cu13-2.20.2-py3-none-manylinux_2_28_x86_64.whl
-  mkdir -p /tmp/te_core && cat "$S"/te_core.part{0,1,2,3,4} > "$core"
+  mkdir -p /tmp/te_core && cat "$S"/te_core.part?? > "$core"   # pack_carries.py's parts, in stream order
   echo "30063d3699e779cce63617c3458804f7a504ce8279f2749c98313db9daae273e  $core" | sha256sum -c --quiet
   pipi "$core" "$S"/te/*.whl
   touch "$SITE/.te_installed"
