@@ -139,6 +139,25 @@ def test_arms_parse_and_presets():
             parse_arms(bad)
 
 
+def test_an_arm_may_carry_its_own_learning_rate():
+    a = ArmSpec.parse("quads-tis@2e-4")
+    assert (a.rollout, a.qat, a.rac_ratio, a.tis_cap, a.lr) == ("nvfp4", True, 0.5, 2.0, 2e-4)
+    assert a.learning_rate(5e-5) == 2e-4 and ArmSpec.parse("quads").learning_rate(5e-5) == 5e-5
+    assert a.label.endswith(", TIS cap 2, GRPO lr 0.0002")
+    assert parse_arms("main@1e-4,bf16,bf16@1e-4") == ("bf16@1e-4", "naive@1e-4", "quads@1e-4", "bf16")
+    for bad in ("bf16@", "bf16@x", "bf16@0", "bf16@-1e-4", "bf16@inf", "bf16@nan", "bf16@1e-4@2"):
+        with pytest.raises(SpecError, match="^--arms: arm .* the learning rate after '@' must be a number > 0"):
+            parse_arms(bad)
+    with pytest.raises(SpecError, match="^--arms: unknown arm 'fp8@1e-4'"):
+        parse_arms("fp8@1e-4")
+    # the RAC sweep (and its claim) compares QAT arms at the study's lr only
+    assert report.rac_sweep(["rac0", "quads@1e-4", "rac25-tis", "rac100", "naive", "quads"]) == [
+        (0.0, "rac0"),
+        (0.5, "quads"),
+        (1.0, "rac100"),
+    ]
+
+
 @pytest.mark.parametrize(
     "kw, flag",
     [

@@ -71,6 +71,18 @@ def test_resuming_in_pieces_repeats_the_uninterrupted_run(tmp_path, capsys):
     assert not any(f.endswith(".pt") for f in os.listdir(os.path.join(pieces, "arms", "quads")))
 
 
+def test_an_arms_own_learning_rate_trains_it(tmp_path):
+    """bf16@LR starts from the same SFT weights and sees the same first batch as bf16; only the update
+    differs (its step size), and the summary names the lr."""
+    out = str(tmp_path / "run")
+    assert cli.main(["rl", "--out", out, *SMALL, "--arms", "bf16,bf16@3e-3", "--lr", "1e-3", "--steps", "2"]) == 0
+    plain, own = done_rows(out, "bf16"), done_rows(out, "bf16@3e-3")
+    assert plain[0]["rollout/raw_reward"] == own[0]["rollout/raw_reward"]  # same weights, prompts and samples
+    assert plain[1] != own[1]  # the second step sees weights updated at different rates
+    md = open(os.path.join(out, "summary", "rl_summary.md")).read()
+    assert "lr 0.001" in md and "BF16 trainer, BF16 rollout, GRPO lr 0.003" in md
+
+
 def one_line(capsys, prefix: str) -> str:
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if x.strip()]

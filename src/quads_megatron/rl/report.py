@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+from collections.abc import Iterable
 from typing import Any
 
 from quads_megatron.rl.runs import RunDir, read_json, write_json
@@ -92,11 +93,17 @@ def collect(rd: RunDir) -> dict[str, Any]:
             continue
         arm = ArmSpec.parse(stage)
         rec |= {"label": arm.label, "rac_ratio": arm.rac_ratio, "qat": arm.qat, "rollout": arm.rollout}
+        rec["lr"] = arm.learning_rate(spec.lr)
         rec["attribution"] = (done or {}).get("attribution")
         rec["summary"] = arm_summary(rows) if rows else None
         out["arms"][stage] = rec
     out["claims"] = claims({n: a["summary"] for n, a in out["arms"].items() if a["summary"]}, spec.arms)
     return out
+
+
+def rac_sweep(names: Iterable[str]) -> list[tuple[float, str]]:
+    """(RAC ratio, arm) of the QAT arms that differ only in their RAC ratio (no TIS, the study's lr), sorted."""
+    return sorted((a.rac_ratio, n) for n in names if (a := ArmSpec.parse(n)).qat and not a.tis_cap and a.lr is None)
 
 
 def _claim(text: str, paper: str, measured: str | None, ok: bool | None) -> dict:
@@ -163,7 +170,7 @@ def claims(s: dict[str, dict], arms: tuple[str, ...]) -> list[dict]:
         ("quads", "naive", "bf16"),
         closed,
     )
-    sweep = sorted((ArmSpec.parse(n).rac_ratio, n) for n in s if ArmSpec.parse(n).qat and not ArmSpec.parse(n).tis_cap)
+    sweep = rac_sweep(s)
 
     def monotone():
         gaps = [s[n]["gap_mean"] for _, n in sweep]
@@ -218,7 +225,8 @@ def markdown(data: dict) -> str:
         "",
         f"Model: Megatron-Core GPTModel, {m['layers']} layers, {m['experts']} experts top-{m['topk']}, hidden "
         f"{m['hidden']}, {data['parameters'] / 1e6:.0f}M parameters; task {spec['task']} ({spec['digits']} digits); "
-        f"{spec['steps']} GRPO steps x {spec['prompts']} prompts x {spec['group']} samples; rollout engine "
+        f"{spec['steps']} GRPO steps x {spec['prompts']} prompts x {spec['group']} samples, lr {spec['lr']:g} (an arm "
+        f"named NAME@LR: its own); rollout engine "
         f"{'SGLang' if spec['engine'] == 'sglang' else 'CPU stand-in (emulate: not an engine)'}.",
         "",
     ]
@@ -394,7 +402,7 @@ def plots(data: dict, out_dir: str) -> list[str]:
     written.append(os.path.join(out_dir, "rl_curves.png"))
     fig.savefig(written[-1], dpi=100)
     plt.close(fig)
-    sweep = sorted((a["rac_ratio"], n) for n, a in arms.items() if a["qat"] and a["summary"] and "tis" not in n)
+    sweep = rac_sweep(n for n, a in arms.items() if a["summary"])
     if sweep:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         xs = [r * 100 for r, _ in sweep]

@@ -7,6 +7,9 @@ An arm is one RL run from the shared SFT checkpoint; its name says what differs:
 * ``quads``: asymmetric NVFP4 QAT trainer, W4A4 rollout with dynamic RAC 50%.
 * ``racR``: QAT trainer, W4A4 rollout with dynamic RAC R% (``rac0`` = QAT without RAC).
 * any name + ``-tis``: the same with truncated importance sampling (cap 2.0) in the loss.
+* any name + ``@LR`` (e.g. ``bf16@1e-4``): the same with its own GRPO learning rate instead of the
+  study's ``--lr``, from the same SFT weights: a learning-rate sweep in one study. The paper's claims
+  compare the arms without one.
 
 Presets: ``main`` = bf16,naive,quads; ``sweep`` = rac0,rac12.5,rac25,quads,rac100 (quads is RAC 50%);
 ``all`` = main + sweep + naive-tis.
@@ -28,6 +31,7 @@ ARM_PRESETS = {
 }
 ARM_PRESETS["all"] = (*ARM_PRESETS["main"], *ARM_PRESETS["sweep"][:3], "rac100", "naive-tis")
 _RAC = re.compile(r"^rac(\d+(?:\.\d+)?)$")
+_LR = re.compile(r"^\d+(?:\.\d+)?(?:e-?\d+)?$")  # an arm's learning rate: 1e-4, 0.0002, 5e-05
 
 
 class SpecError(ValueError):
@@ -46,23 +50,29 @@ class ArmSpec:
     qat: bool
     rac_ratio: float  # fraction of K compensated (nvfp4 rollouts)
     tis_cap: float = 0.0  # 0: no TIS
+    lr: float | None = None  # the arm's own GRPO learning rate (None: the study's)
 
     @classmethod
     def parse(cls, name: str) -> ArmSpec:
-        base, tis = (name[:-4], TIS_CAP) if name.endswith("-tis") else (name, 0.0)
+        base, at, lr_text = name.partition("@")
+        lr = _arm_lr(name, lr_text) if at else None
+        base, tis = (base[:-4], TIS_CAP) if base.endswith("-tis") else (base, 0.0)
         if base == "bf16":
-            return cls(name, "bf16", False, 0.0, tis)
+            return cls(name, "bf16", False, 0.0, tis, lr)
         if base == "naive":
-            return cls(name, "nvfp4", False, 0.0, tis)
+            return cls(name, "nvfp4", False, 0.0, tis, lr)
         if base == "quads":
-            return cls(name, "nvfp4", True, 0.5, tis)
+            return cls(name, "nvfp4", True, 0.5, tis, lr)
         m = _RAC.match(base)
         if m and float(m[1]) <= 100:
-            return cls(name, "nvfp4", True, float(m[1]) / 100, tis)
+            return cls(name, "nvfp4", True, float(m[1]) / 100, tis, lr)
         raise SpecError(
             f"--arms: unknown arm {name!r} (bf16, naive, quads, racR with R in [0, 100], each optionally "
-            f"with -tis; presets {', '.join(ARM_PRESETS)})"
+            f"with -tis and @LR; presets {', '.join(ARM_PRESETS)})"
         )
+
+    def learning_rate(self, study_lr: float) -> float:
+        return study_lr if self.lr is None else self.lr
 
     @property
     def label(self) -> str:
@@ -72,16 +82,30 @@ class ArmSpec:
             what = "BF16 trainer, NVFP4 W4A4 rollout (no RAC)"
         else:
             what = f"NVFP4 QAT trainer, W4A4 rollout + RAC {self.rac_ratio * 100:g}%"
-        return what + (f", TIS cap {self.tis_cap:g}" if self.tis_cap else "")
+        what += f", TIS cap {self.tis_cap:g}" if self.tis_cap else ""
+        return what + (f", GRPO lr {self.lr:g}" if self.lr is not None else "")
+
+
+def _arm_lr(name: str, text: str) -> float:
+    """The learning rate after an arm name's '@' (a finite number > 0, e.g. 1e-4)."""
+    try:
+        lr = float(text)
+    except ValueError:
+        lr = float("nan")
+    if not (math.isfinite(lr) and lr > 0) or not _LR.match(text):
+        raise SpecError(f"--arms: arm {name!r}: the learning rate after '@' must be a number > 0, like 1e-4")
+    return lr
 
 
 def parse_arms(text: str) -> tuple[str, ...]:
-    """Comma-separated arm names and presets -> arm names in order, without repeats."""
+    """Comma-separated arm names and presets (``main@1e-4``: each of main's arms at lr 1e-4) -> arm names in
+    order, without repeats."""
     names: list[str] = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        for name in ARM_PRESETS.get(part, (part,)):
+        preset, at, lr = part.partition("@")  # a preset with @LR: each of its arms with that lr
+        for name in (f"{n}{at}{lr}" for n in ARM_PRESETS[preset]) if preset in ARM_PRESETS else (part,):
             ArmSpec.parse(name)
             if name not in names:
                 names.append(name)

@@ -224,7 +224,7 @@ def run_arm(rd: RunDir, spec: StudySpec, name: str, budget: Budget, log: Log, la
     arm, task = spec.arm(name), Task(spec.task, spec.digits)
     gen = torch.Generator().manual_seed(spec.seed + 1)  # every arm sees the same prompts
     clock = StepClock(rd, spec)
-    trainer = Trainer(spec.model, device, spec.seed, spec.lr, qat=arm.qat)
+    trainer = Trainer(spec.model, device, spec.seed, arm.learning_rate(spec.lr), qat=arm.qat)
     rollout = None
 
     def close_rollout() -> None:  # timed: engine_stop_s
