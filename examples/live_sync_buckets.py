@@ -9,6 +9,8 @@ runs the quads_nvfp4 method:
     engine.update_weights_from_tensor(bucket, load_format="quads_megatron.integrations.sglang.load_weights")
 
 (the server was launched with --custom-weight-loader quads_megatron.integrations.sglang.load_weights).
+checkpoint.flat_buckets(tensors) gives the same buckets as one uint8 tensor each (one CUDA IPC handle
+per bucket); the loader unflattens and checks them like separate tensors.
 Each bucket keeps an expert's gate and up together (they share one global scale), so the server
 can check and apply it on its own. Pass the QUADS config's NVFP4 variant
 (``nvfp4_config=load_config("quads.yaml").nvfp4``, the one the trainer fake-quantizes with) when it
@@ -35,6 +37,9 @@ def main() -> None:
         print(f"bucket {i}: {len(bucket)} tensors, {size} bytes")
         for name, t in bucket[:4]:
             print(f"  {name} {tuple(t.shape)} {t.dtype}")
+    tensors = checkpoint.megatron_expert_tensors(named, ep_rank=0, num_local_experts=4)
+    for i, [(name, flat)] in enumerate(checkpoint.flat_buckets(tensors, bucket_bytes=16 << 10)):
+        print(f"flat bucket {i}: one {flat.dtype} tensor of {flat.numel()} bytes, metadata {len(name)} characters")
 
 
 if __name__ == "__main__":

@@ -41,11 +41,13 @@ def perturbed_bf16(checkpoints, seed):
     return {n: (t.float() * (1 + 0.3 * torch.rand(t.shape, generator=g))).bfloat16() for n, t in src.items()}
 
 
-def test_trainer_packed_weights_sync_in_place(checkpoints, loaded):
-    """The trainer's export (megatron_expert_tensors) -> load_weights: written in place, used at once."""
+@pytest.mark.parametrize("flat", [False, True], ids=["tensors", "flat"])
+def test_trainer_packed_weights_sync_in_place(checkpoints, loaded, flat):
+    """The trainer's export (megatron_expert_tensors) -> load_weights: written in place, used at once;
+    the same as flat buckets (one uint8 tensor per bucket, unflattened by the loader)."""
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
-    new = perturbed_bf16(checkpoints, 1)
+    new = perturbed_bf16(checkpoints, 11 if flat else 1)
     megatron = []
     for layer in range(LAYERS):
         for e in range(E):
@@ -60,7 +62,8 @@ def test_trainer_packed_weights_sync_in_place(checkpoints, loaded):
             )
     packed = dict(checkpoint.megatron_expert_tensors(megatron, num_local_experts=E))
     before = snapshot(loaded)
-    for bucket in checkpoint.bucketed(packed.items(), bucket_bytes=1200):  # smaller than one gate+up pair
+    buckets = checkpoint.flat_buckets if flat else checkpoint.bucketed
+    for bucket in buckets(packed.items(), bucket_bytes=1200):  # smaller than one gate+up pair
         plug.load_weights(loaded, bucket)
     after = snapshot(loaded)
     assert all(after[n][0] == before[n][0] for n in before)  # same storage: CUDA graphs stay valid
@@ -252,6 +255,30 @@ def test_a_bad_tensor_last_refuses_the_whole_update_and_writes_nothing(loaded, g
         plug.load_weights(loaded, good + bad)
     assert "\n" not in str(err.value)
     assert param_bytes(loaded) == before  # every parameter: same storage, same bytes
+
+
+def test_a_flat_bucket_is_checked_like_its_tensors(loaded, good_update):
+    """A bad tensor inside a flat bucket, or a malformed bucket, refuses the update with one line before
+    anything is written; the good update as one flat bucket is written."""
+    from quads_megatron.checkpoint.live_sync import FLAT_PREFIX, flatten_bucket
+
+    new, q, good = good_update
+    bad = BAD["NaN block scale"][1](new, q)
+    mixed = [(n, t) for n, t in good if n not in dict(bad)] + bad
+    name, flat = flatten_bucket(mixed)
+    before = param_bytes(loaded)
+    for update, pattern in (
+        ([(name, flat)], BAD["NaN block scale"][0]),
+        ([(name, flat[:-64])], "outside the"),
+        ([(FLAT_PREFIX + "{", flat)], "unreadable metadata"),
+    ):
+        with pytest.raises(plug.QuadsSglangError, match=f"nothing was written: .*{pattern}") as err:
+            plug.load_weights(loaded, update)
+        assert "\n" not in str(err.value)
+        assert param_bytes(loaded) == before
+    plug.load_weights(loaded, [flatten_bucket(good)])
+    moe = experts_of(loaded, 1)
+    assert torch.equal(moe.quant_method.expert_weights(moe).expert(3, "w2").codes, q[f"{P1}.down_proj.weight"])
 
 
 def test_the_refusal_counts_every_problem(loaded, good_update):

@@ -11,7 +11,7 @@
 * test_live_sync_into_sglang_engine (H200): the TE GPTModel with QAT, an SGLang engine serving the
   `quads convert` output with quads_nvfp4 (dynamic RAC 50%, CUDA graphs); one optimizer step, a bucketed
   live sync of packed NVFP4 experts + BF16 non-expert weights, then engine vs trainer logprobs, the
-  BF16 sync path, CUDA graphs seeing the new weights, and the sync's time.
+  BF16 sync path, flat buckets, CUDA graphs seeing the new weights, and the sync's time.
 """
 
 from __future__ import annotations
@@ -326,9 +326,12 @@ def engine_greedy(engine, prompt: list[int], n: int) -> tuple[list[int], torch.T
     return tokens, torch.tensor([float(e[0]) for e in entries], dtype=torch.float32)
 
 
-def live_sync(engine, named: list[tuple[str, torch.Tensor]], cfg: dict, packed: bool, bucket_bytes: int) -> dict:
+def live_sync(
+    engine, named: list[tuple[str, torch.Tensor]], cfg: dict, packed: bool, bucket_bytes: int, flat: bool = False
+) -> dict:
     """Trainer weights -> engine in place: BF16 non-expert tensors (HF names, megatron_to_hf) and routed
-    experts as packed NVFP4 (megatron_expert_tensors) or BF16 (the loader quantizes), bucketed."""
+    experts as packed NVFP4 (megatron_expert_tensors) or BF16 (the loader quantizes), bucketed (flat: each
+    bucket as one uint8 tensor, checkpoint.flat_buckets)."""
     import itertools
 
     t0 = time.perf_counter()
@@ -337,7 +340,8 @@ def live_sync(engine, named: list[tuple[str, torch.Tensor]], cfg: dict, packed: 
         if packed
         else hf_expert_weights_bf16(named, num_local_experts=cfg["num_experts"])
     )
-    buckets = list(checkpoint.bucketed(itertools.chain(hf_non_expert_weights(named, cfg), experts), bucket_bytes))
+    group = checkpoint.flat_buckets if flat else checkpoint.bucketed
+    buckets = list(group(itertools.chain(hf_non_expert_weights(named, cfg), experts), bucket_bytes))
     torch.cuda.synchronize()
     t1 = time.perf_counter()
     for i, bucket in enumerate(buckets):
@@ -526,7 +530,17 @@ def test_live_sync_into_sglang_engine(world, tmp_path):
                 ok = d_new <= tol
                 checks.check("BF16 sync of the new weights == the packed NVFP4 sync", ok, f"max |diff| {d_new:.2e}")
 
-        # (e) the sync's cost
+        # (e) flat buckets (one CUDA IPC handle per bucket): the same weights as the tensor-by-tensor sync
+        with checks.guard("flat-bucket live sync"):
+            syncs["packed NVFP4, flat (original)"] = live_sync(engine, w0, cfg, True, 2 << 20, flat=True)
+            d_old = float((engine_logprobs(engine, ids, vocab) - e0).abs().max())
+            checks.check("flat sync of the original weights == `quads convert` output", d_old <= tol, f"{d_old:.2e}")
+            syncs["packed NVFP4, flat (new)"] = live_sync(engine, named1, cfg, True, 2 << 20, flat=True)
+            if e1 is not None:
+                d_new = float((engine_logprobs(engine, ids, vocab) - e1).abs().max())
+                checks.check("flat sync of the new weights == the tensor-by-tensor sync", d_new <= tol, f"{d_new:.2e}")
+
+        # (f) the sync's cost
         for name, s in syncs.items():
             print(
                 f"[live_sync] sync {name}: {s['mb']:.2f} MB in {s['buckets']} buckets, prepare {s['prepare_s']:.3f} s, "

@@ -9,7 +9,7 @@ the rollout settings.
 
 from quads_megatron.checkpoint.calibration_inputs import load_input_amax, load_rac_plans, quads_extras
 from quads_megatron.checkpoint.hf import convert_hf, verify_conversion
-from quads_megatron.checkpoint.live_sync import bucketed, gather_expert_tp, megatron_expert_tensors
+from quads_megatron.checkpoint.live_sync import bucketed, flat_buckets, gather_expert_tp, megatron_expert_tensors
 from quads_megatron.checkpoint.megatron import convert_megatron_dist
 from quads_megatron.checkpoint.modelopt import INDEX, UNCALIBRATED_INPUT_SCALE, ConvertOptions
 from quads_megatron.errors import ConvertError
@@ -22,6 +22,7 @@ __all__ = [
     "bucketed",
     "convert_hf",
     "convert_megatron_dist",
+    "flat_buckets",
     "gather_expert_tp",
     "load_input_amax",
     "load_rac_plans",

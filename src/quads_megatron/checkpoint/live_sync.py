@@ -2,18 +2,19 @@
 
 megatron_expert_tensors() turns Megatron expert params (SequentialMLP or TEGroupedMLP names, any EP
 rank) into the same tensors ``quads convert`` writes; gather_expert_tp() joins expert-TP shards first;
-bucketed() groups them for ``update_weights_from_tensor``.
+bucketed() groups them for ``update_weights_from_tensor``; flat_buckets() sends each group as one tensor.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Iterator
 
 import torch
 
 from quads_megatron import nvfp4
-from quads_megatron.checkpoint.modelopt import modelopt_tensors, quantize_linear
+from quads_megatron.checkpoint.modelopt import check_weight, modelopt_tensors
 from quads_megatron.config import NVFP4Config
 from quads_megatron.errors import ConvertError
 
@@ -40,21 +41,58 @@ def megatron_expert_tensors(
     With expert TP > 1, pass the params through gather_expert_tp first (full [2F, H] / [H, F]).
     nvfp4_config: the variant (the QUADS config's nvfp4 section, as the trainer's fake-quant uses it):
     weights quantized with its weight recipe, input_scale of input_amax with its activation recipe.
+    Consecutive experts of one layer's fc1 (or fc2) are quantized together (nvfp4.quantize_each, the
+    same bits as one by one); every yielded tensor has its own storage.
     """
     input_amax = input_amax or {}
     cfg = nvfp4_config or NVFP4Config()
+    run: list[tuple[str, re.Match, torch.Tensor]] = []
     for name, w in named_params:
         m = _MCORE_SEQ.match(name) or _MCORE_TE.match(name)
         if m is None:
             continue
         if num_local_experts is None:
             raise ConvertError("num_local_experts is required to map local experts to global indices")
+        if run and not _same_run(run, m, w):
+            yield from _expert_run_tensors(run, ep_rank, num_local_experts, hf_prefix, layer_offset, input_amax, cfg)
+            run = []
+        run.append((name, m, w))
+    if run:
+        yield from _expert_run_tensors(run, ep_rank, num_local_experts, hf_prefix, layer_offset, input_amax, cfg)
+
+
+RUN_BYTES = 128 << 20  # fp32 bytes of one batched quantization (a run of experts is cut into such batches)
+
+
+def _same_run(run: list, m: re.Match, w: torch.Tensor) -> bool:
+    """Whether w (matched by m) joins the run: same layer and fc, same shape, dtype and device, and the
+    batch stays under RUN_BYTES of fp32."""
+    _, m0, w0 = run[0]
+    same = (m["pre"], m["layer"], m["fc"]) == (m0["pre"], m0["layer"], m0["fc"])
+    same = same and w.shape == w0.shape and w.dtype == w0.dtype and w.device == w0.device
+    return same and (len(run) + 1) * w.numel() * 4 <= RUN_BYTES
+
+
+def _expert_run_tensors(run, ep_rank, num_local_experts, hf_prefix, layer_offset, input_amax, cfg):
+    """The ModelOpt tensors of a run of experts (one layer's fc1 or fc2), in the run's order."""
+    weights = [w for _, _, w in run]
+    try:
+        stacked = torch.stack([w.detach() for w in weights])
+        check_weight(stacked[0], run[0][0])  # 2-D and K % 16; finiteness of all below, in one sync
+        finite = bool(torch.isfinite(stacked).all())
+    except ConvertError:
+        finite = False
+    if not finite:
+        for name, _, w in run:  # the first bad one, named
+            check_weight(w, name)
+    qs = nvfp4.quantize_each(stacked, recipe=cfg.weights)
+    for (name, m, _), q in zip(run, qs, strict=True):
         g = ep_rank * num_local_experts + int(m["i"])
         base = f"{hf_prefix}.{int(m['layer']) + layer_offset}.mlp.experts.{g}"
-        q = quantize_linear(w, name, recipe=cfg.weights)
         if m["fc"] == "fc2":
+            own = nvfp4.NVFP4Tensor(q.codes.clone(), q.block_scales.clone(), q.global_decode.clone())
             yield from modelopt_tensors(
-                f"{base}.down_proj", q, input_amax.get(f"{base}.down_proj"), cfg.activations
+                f"{base}.down_proj", own, input_amax.get(f"{base}.down_proj"), cfg.activations
             ).items()
             continue
         if q.codes.shape[0] % 2:
@@ -131,3 +169,78 @@ def bucketed(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 51
         bucket += unit
     if bucket:
         yield bucket
+
+
+#: A flat bucket travels as one (name, tensor) pair: the name is FLAT_PREFIX + a JSON list of
+#: [name, dtype, shape, byte offset], the tensor one uint8 [bytes] buffer holding every tensor's bytes at
+#: its offset (FLAT_ALIGN-aligned). One CUDA IPC handle per bucket instead of one per tensor: the engine's
+#: per-tensor cost (handle, event, pickling) dominated a sync of thousands of small expert tensors.
+FLAT_PREFIX = "quads_megatron.flat_bucket.v1:"
+FLAT_ALIGN = 64
+_FLAT_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.uint8, torch.int8, torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32, torch.int32)
+}
+
+
+def _aligned(n: int) -> int:
+    return -(-n // FLAT_ALIGN) * FLAT_ALIGN
+
+
+def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
+    """One bucket -> (FLAT_PREFIX + metadata, uint8 [bytes] on the first tensor's device); unflatten_bucket
+    inverts it bit for bit."""
+    if not bucket:
+        raise ValueError("flatten_bucket: empty bucket")
+    meta, offset = [], 0
+    for name, t in bucket:
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in _FLAT_DTYPES:
+            raise ValueError(f"flatten_bucket: {name}: dtype {t.dtype} has no flat form ({', '.join(_FLAT_DTYPES)})")
+        meta.append([name, dtype, list(t.shape), offset])
+        offset += _aligned(t.numel() * t.element_size())
+    device = bucket[0][1].device
+    flat = torch.empty(offset, dtype=torch.uint8, device=device)
+    for (_, t), (_, _, _, off) in zip(bucket, meta, strict=True):
+        n = t.numel() * t.element_size()
+        flat[off : off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8).to(device))
+    return FLAT_PREFIX + json.dumps(meta, separators=(",", ":")), flat
+
+
+def unflatten_bucket(name: str, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """(name, view into flat) of every tensor of a flat bucket; ValueError (one line) for a malformed one."""
+    if not name.startswith(FLAT_PREFIX):
+        raise ValueError(f"not a flat bucket name (expected the prefix {FLAT_PREFIX!r})")
+    if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
+        what = f"{flat.dtype} {tuple(flat.shape)}" if isinstance(flat, torch.Tensor) else type(flat).__name__
+        raise ValueError(f"flat bucket: expected a 1-D uint8 tensor, got {what}")
+    try:
+        meta = json.loads(name[len(FLAT_PREFIX) :])
+    except ValueError as e:
+        raise ValueError(f"flat bucket: unreadable metadata ({e})") from e
+    if not isinstance(meta, list):
+        raise ValueError("flat bucket: metadata must be a list of [name, dtype, shape, offset]")
+    out = []
+    for entry in meta:
+        ok = isinstance(entry, list) and len(entry) == 4
+        tname, dtype, shape, off = entry if ok else (None, None, None, None)
+        ok = ok and isinstance(tname, str) and dtype in _FLAT_DTYPES and isinstance(off, int) and off >= 0
+        ok = ok and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+        if not ok:
+            raise ValueError(f"flat bucket: bad entry {str(entry)[:120]} (expected [name, dtype, shape, offset])")
+        dt = _FLAT_DTYPES[dtype]
+        numel = 1
+        for d in shape:
+            numel *= d
+        end = off + numel * dt.itemsize
+        if off % FLAT_ALIGN or end > flat.numel():
+            raise ValueError(f"flat bucket: {tname}: bytes [{off}, {end}) outside the {flat.numel()}-byte buffer")
+        out.append((tname, flat[off:end].view(dt).view(shape)))
+    return out
+
+
+def flat_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20) -> Iterator[list]:
+    """bucketed(), each bucket sent as one flat tensor: lists of one (name, uint8 tensor) pair, for
+    ``update_weights_from_tensor`` with the quads loader (which unflattens and checks every tensor)."""
+    for bucket in bucketed(tensors, bucket_bytes):
+        yield [flatten_bucket(bucket)]

@@ -3,7 +3,8 @@
 The engine serves the SFT checkpoint (HF BF16, or its `quads convert` output for the NVFP4 arms: the
 quads_nvfp4 method with the arm's dynamic RAC ratio embedded) and takes the trainer's weights before each
 rollout through ``update_weights_from_tensor`` with our loader: BF16 non-expert tensors (HF names) plus
-packed NVFP4 experts (the trainer's exact codes and scales) or, for the BF16 arm, BF16 experts. The engine
+packed NVFP4 experts (the trainer's exact codes and scales) or, for the BF16 arm, BF16 experts, each
+bucket as one flat tensor (checkpoint.flat_buckets: one CUDA IPC handle per bucket). The engine
 arguments and the sync are those tests/gpu/test_live_sync.py runs on the H200.
 """
 
@@ -126,7 +127,7 @@ class SglangRollout:
 
         t0 = time.perf_counter()
         stream = sync_stream(model, self.spec.model, packed=self.arm.rollout == "nvfp4")
-        buckets = list(checkpoint.bucketed(stream, BUCKET_BYTES))
+        buckets = list(checkpoint.flat_buckets(stream, BUCKET_BYTES))
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         for i, bucket in enumerate(buckets):
@@ -135,7 +136,7 @@ class SglangRollout:
             )
             if not ok:
                 raise RuntimeError(f"update_weights_from_tensor (bucket {i} of {len(buckets)}) failed: {msg}")
-        mb = sum(t.numel() * t.element_size() for b in buckets for _, t in b) / 1e6
+        mb = sum(t.numel() for b in buckets for _, t in b) / 1e6  # flat uint8 buffers (alignment included)
         return {"perf/sync_prepare_s": t1 - t0, "perf/sync_send_s": time.perf_counter() - t1, "perf/sync_mb": mb}
 
     def generate(self, prompts: torch.Tensor, answer_len: int) -> tuple[torch.Tensor, torch.Tensor]:

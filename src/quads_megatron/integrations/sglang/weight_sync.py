@@ -9,6 +9,9 @@ expert in range, shape (the full tensor; the loader takes this rank's TP shard),
 scale signs, gate/up pairing. One bad tensor refuses the whole update (QuadsSglangError naming the first
 and the count); otherwise the model's own load_weights copies into the existing storage.
 
+A flat bucket (checkpoint.flat_buckets: one uint8 tensor and its metadata in the name) is unflattened
+first and then checked and written like the tensors it holds.
+
 Expert parallelism: the tensors of experts another rank holds are checked like the others (every rank
 then decides alike) and skipped at the write, as SGLang's loader does; expert ids >= num_experts are
 refused. Names under another pipeline stage's layers, and names SGLang skips on purpose
@@ -23,6 +26,7 @@ from collections.abc import Iterable
 import torch
 
 from quads_megatron import nvfp4
+from quads_megatron.checkpoint.live_sync import FLAT_PREFIX, unflatten_bucket
 from quads_megatron.errors import QuadsSglangError
 from quads_megatron.integrations.sglang.method import check_expert_params
 from quads_megatron.integrations.sglang.update_targets import (
@@ -42,8 +46,9 @@ _PACKED_DTYPES = {
 }
 
 
-def _finite(t: torch.Tensor) -> bool:
-    return bool(torch.isfinite(t if t.dtype in (torch.bfloat16, torch.float16, torch.float32) else t.float()).all())
+def _nonfinite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor on t's device: whether t holds a NaN or Inf."""
+    return ~torch.isfinite(t if t.dtype in (torch.bfloat16, torch.float16, torch.float32) else t.float()).all()
 
 
 def _is_bf16_expert_weight(target: Target, t: torch.Tensor) -> bool:
@@ -51,41 +56,60 @@ def _is_bf16_expert_weight(target: Target, t: torch.Tensor) -> bool:
     return target.quads and target.kind == "weight" and t.is_floating_point()
 
 
-def _tensor_problem(target: Target, t: torch.Tensor) -> str | None:
-    """Why t cannot be written to target (dtype, shape, values), else None."""
+#: a check of values: (the problem's text, a 0-dim bool tensor that is True where the problem is there),
+#: read for the whole update at once (one device sync instead of a few per tensor)
+ValueCheck = tuple[str, torch.Tensor]
+
+
+def _tensor_problem(target: Target, t: torch.Tensor) -> tuple[str | None, list[ValueCheck]]:
+    """Why t cannot be written to target from its dtype and shape (else None), and the checks of its values,
+    in order (the first that holds is t's problem)."""
     if target.param is None:
-        return None
+        return None, []
     unpacked = _is_bf16_expert_weight(target, t)
     if unpacked:
         if t.dtype not in _FLOATS:
-            return f"dtype {t.dtype}, expected torch.uint8 (packed) or bfloat16/float32 (quantized here)"
+            return f"dtype {t.dtype}, expected torch.uint8 (packed) or bfloat16/float32 (quantized here)", []
     elif target.quads:
         want = _PACKED_DTYPES.get(target.kind)
         if t.dtype != want:
             hint = " (packed) or bfloat16/float32 (quantized here)" if target.kind == "weight" else ""
-            return f"dtype {t.dtype}, expected {want}{hint}"
+            return f"dtype {t.dtype}, expected {want}{hint}", []
     elif target.param.is_floating_point():
         if t.dtype not in (*_FLOATS, target.param.dtype):
-            return f"dtype {t.dtype}, expected bfloat16 or float32 for a {target.param.dtype} parameter"
+            return f"dtype {t.dtype}, expected bfloat16 or float32 for a {target.param.dtype} parameter", []
     elif t.dtype != target.param.dtype:
-        return f"dtype {t.dtype}, expected {target.param.dtype}"
+        return f"dtype {t.dtype}, expected {target.param.dtype}", []
     want_shape = expected_shape(target, unpacked)
     if target.is_expert and target.kind in PER_TENSOR_KINDS:
         if t.numel() != 1 or t.dim() > 1:
-            return f"shape {tuple(t.shape)}, expected one scalar per expert"
+            return f"shape {tuple(t.shape)}, expected one scalar per expert", []
     elif t.dim() != len(want_shape) or any(w is not None and w != s for w, s in zip(want_shape, t.shape, strict=True)):
         where = f"expert {target.expert} of {target.path}" if target.is_expert else target.path or target.name
         return (
             f"shape {tuple(t.shape)}, expected {tuple(want_shape)} for {where} (the full tensor: the loader "
             "takes this rank's tensor-parallel shard itself; gather expert-TP shards first)"
-        )
-    if t.is_floating_point() and not _finite(t):
-        return "has NaN/Inf values"
-    if target.quads and target.kind == "weight_scale" and bool((t.float() < 0).any()):
-        return "has negative block scales"
-    if target.quads and target.kind in PER_TENSOR_KINDS and not bool((t.float() > 0).all()):
-        return f"{target.kind} must be positive"
-    return None
+        ), []
+    checks: list[ValueCheck] = []
+    if t.is_floating_point():
+        checks.append(("has NaN/Inf values", _nonfinite(t)))
+    if target.quads and target.kind == "weight_scale":
+        checks.append(("has negative block scales", (t.float() < 0).any()))
+    if target.quads and target.kind in PER_TENSOR_KINDS:
+        checks.append((f"{target.kind} must be positive", ~(t.float() > 0).all()))
+    return None, checks
+
+
+def _holding(flags: list[torch.Tensor]) -> list[bool]:
+    """The values of 0-dim bool tensors, read with one transfer per device."""
+    out = [False] * len(flags)
+    by_device: dict[torch.device, list[int]] = defaultdict(list)
+    for i, f in enumerate(flags):
+        by_device[f.device].append(i)
+    for idx in by_device.values():
+        for i, v in zip(idx, torch.stack([flags[i].reshape(()) for i in idx]).tolist(), strict=True):
+            out[i] = bool(v)
+    return out
 
 
 def _pairing_problems(checked: list[tuple[Target, torch.Tensor]]) -> list[tuple[str, str]]:
@@ -97,56 +121,67 @@ def _pairing_problems(checked: list[tuple[Target, torch.Tensor]]) -> list[tuple[
         if target.quads:
             kind = "bf16" if _is_bf16_expert_weight(target, t) else target.kind
             groups[(target.path, target.expert)][(target.shard, kind)] = (target, t)
-    problems = []
+    found: list[tuple[str, str, torch.Tensor | None]] = []  # None: a problem whatever the values
     for parts in groups.values():
         for shard, other in (("w1", "w3"), ("w3", "w1"), ("w2", None)):
             bf16 = parts.get((shard, "bf16"))
             if bf16 and other and (other, "bf16") not in parts:
-                problems.append(
-                    (bf16[0].name, "BF16 gate and up of an expert must come in the same update (shared amax)")
+                found.append(
+                    (bf16[0].name, "BF16 gate and up of an expert must come in the same update (shared amax)", None)
                 )
             if bf16 and any((shard, k) in parts for k in ("weight_scale", "weight_scale_2")):
-                problems.append((bf16[0].name, "sent both as a BF16 weight and as packed NVFP4 tensors"))
+                found.append((bf16[0].name, "sent both as a BF16 weight and as packed NVFP4 tensors", None))
         g, u = parts.get(("w1", "weight_scale_2")), parts.get(("w3", "weight_scale_2"))
         if (g is None) != (u is None):
             name = (g or u)[0].name
-            problems.append((name, "send gate and up global scales together (weight_scale_2 of both)"))
-        elif g and not torch.equal(g[1].float().reshape(()), u[1].float().reshape(())):
-            problems.append((u[0].name, f"differs from {g[0].name}: gate and up must share one global scale"))
+            found.append((name, "send gate and up global scales together (weight_scale_2 of both)", None))
+        elif g:
+            differ = g[1].float().reshape(()) != u[1].float().reshape(())
+            found.append((u[0].name, f"differs from {g[0].name}: gate and up must share one global scale", differ))
         g, u = parts.get(("w1", "input_scale")), parts.get(("w3", "input_scale"))
-        if g and u and not torch.equal(g[1].float().reshape(()), u[1].float().reshape(())):
-            problems.append((u[0].name, f"differs from {g[0].name}: gate and up read the same input"))
-    return problems
+        if g and u:
+            differ = g[1].float().reshape(()) != u[1].float().reshape(())
+            found.append((u[0].name, f"differs from {g[0].name}: gate and up read the same input", differ))
+    flags = iter(_holding([f for _, _, f in found if f is not None]))
+    return [(name, why) for name, why, f in found if f is None or next(flags)]
 
 
 def check_update(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> list[Target]:
     """The Target of every tensor of the update, or QuadsSglangError naming the first bad one (and how
-    many there are) when any is bad. Reads only."""
+    many there are) when any is bad. Reads only; the values of the whole update are read in one go."""
     index = UpdateIndex(model)
-    problems: list[tuple[str, str]] = []
-    checked: list[tuple[Target, torch.Tensor]] = []
+    problems: list[tuple[int, str, str]] = []  # (position in the update, name, why)
+    pending: list[tuple[int, str, Target, torch.Tensor, list[ValueCheck]]] = []
     seen: set[str] = set()
-    for name, t in named:
+    for pos, (name, t) in enumerate(named):
         if name in seen:
-            problems.append((name, "appears twice in the update"))
+            problems.append((pos, name, "appears twice in the update"))
             continue
         seen.add(name)
         if not isinstance(t, torch.Tensor):
-            problems.append((name, f"is a {type(t).__name__}, not a tensor"))
+            problems.append((pos, name, f"is a {type(t).__name__}, not a tensor"))
             continue
         try:
             target = index.resolve(name)
-            problem = _tensor_problem(target, t)
+            problem, checks = _tensor_problem(target, t)
         except UnknownTarget as e:
-            target, problem = None, f"unknown: {e}"
+            target, problem, checks = None, f"unknown: {e}", []
         if problem:
-            problems.append((name, problem))
+            problems.append((pos, name, problem))
+        else:
+            pending.append((pos, name, target, t, checks))
+    flags = iter(_holding([f for *_, checks in pending for _, f in checks]))
+    checked: list[tuple[Target, torch.Tensor]] = []
+    for pos, name, target, t, checks in pending:
+        holding = [why for why, _ in checks if next(flags)]  # consumes every flag of this tensor
+        if holding:
+            problems.append((pos, name, holding[0]))
         else:
             checked.append((target, t))
-    problems += _pairing_problems(checked)
-    if problems:
-        name, why = problems[0]
-        more = f" ({len(problems)} problems in this update)" if len(problems) > 1 else ""
+    found = [(name, why) for _, name, why in sorted(problems, key=lambda p: p[0])] + _pairing_problems(checked)
+    if found:
+        name, why = found[0]
+        more = f" ({len(found)} problems in this update)" if len(found) > 1 else ""
         raise QuadsSglangError(f"weight update refused, nothing was written: {name}: {why}{more}")
     return [target for target, _ in checked]
 
@@ -179,15 +214,30 @@ def _weight_recipe(target: Target) -> nvfp4.NVFP4Recipe:
     return target.module.quant_method.quant_config.nvfp4_config.weights
 
 
+def _unflattened(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The update's (name, tensor) pairs with every flat bucket replaced by the tensors it holds."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, t in named_tensors:
+        if not (isinstance(name, str) and name.startswith(FLAT_PREFIX)):
+            out.append((name, t))
+            continue
+        try:
+            out += unflatten_bucket(name, t)
+        except ValueError as e:
+            raise QuadsSglangError(f"weight update refused, nothing was written: {e}") from e
+    return out
+
+
 def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Custom weight loader for update_weights_from_tensor (load_format = this import path).
 
     named_tensors: HF/ModelOpt names -> packed NVFP4 expert tensors (weight u8 [I, H/2],
     weight_scale e4m3 [I, H/16], weight_scale_2 / input_scale fp32 scalars; full, un-sharded sizes),
     BF16/FP32 expert weights, or BF16/FP32 non-expert weights. All of them are checked before the
-    first write (check_update); the model's load_weights then writes in place.
+    first write (check_update); the model's load_weights then writes in place. Flat buckets
+    (checkpoint.flat_buckets) are unflattened into the tensors they hold first.
     """
-    named = list(named_tensors)
+    named = _unflattened(named_tensors)
     targets = check_update(model, named)
     model.load_weights(_quantized_from_bf16(named, targets))
     for path, layer in {t.path: t.module for t in targets if t.quads}.items():
