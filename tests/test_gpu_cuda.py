@@ -65,6 +65,23 @@ def test_megatron_patches_on_cuda_tensors(megatron_world):
         quads_megatron.remove()
 
 
+@pytest.mark.parametrize("four_over_six", [False, True])
+def test_batched_expert_qdq_is_the_per_expert_contract_on_cuda(four_over_six):
+    """QAT's QDQ of a grouped linear's experts in one row-scaled Triton pass == the torch contract's
+    per-tensor QDQ of each expert (the trainer's fake-quant of TEGroupedMLP weights)."""
+    from quads_megatron import fake_quant, nvfp4
+
+    recipe = nvfp4.NVFP4Recipe(True, 256, "MAE") if four_over_six else nvfp4.NVFP4Recipe()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    ws = [(torch.randn(256, 512, generator=g, device="cuda") * 10 ** (e / 4 - 2)).bfloat16() for e in range(12)]
+    ws[3].zero_()
+    spec = fake_quant.FakeQuantSpec(recipe=recipe)
+    fake_quant.clear_cache()
+    got = fake_quant.fake_quant_weights(ws, spec, cache=False)
+    for e, w in enumerate(ws):
+        assert torch.equal(got[e], nvfp4.qdq(w, recipe=recipe)), e
+
+
 def moe_case(t, seed=0):
     from quads_megatron import nvfp4
     from quads_megatron.kernels import gemm_triton

@@ -229,6 +229,29 @@ def test_te_grouped_weight_hook_quantizes_each_expert_separately(grouped):
         assert torch.equal(g, nvfp4.qdq(w.detach()))  # one global scale per expert
 
 
+@pytest.mark.parametrize("recipe", [nvfp4.NVFP4Recipe(), nvfp4.NVFP4Recipe(True, 256, "MSE")], ids=["plain", "4over6"])
+def test_a_grouped_linears_experts_are_fake_quantized_together(recipe):
+    """fake_quant_weights: the same values and STE gradients as fake_quant_weight of each weight; only the
+    weights the cache lacks are quantized (together), the others are hits; other shapes go one by one."""
+    ws = [torch.nn.Parameter(torch.randn(16, 32) * 4**i) for i in range(4)] + [torch.nn.Parameter(torch.randn(8, 32))]
+    spec = fake_quant.FakeQuantSpec(recipe=recipe)
+    fake_quant.clear_cache()
+    fake_quant.reset_stats()
+    fake_quant.fake_quant_weight(ws[1], spec)  # cached before the group
+    out = fake_quant.fake_quant_weights(ws, spec)
+    assert (fake_quant.STATS.qdq_calls, fake_quant.STATS.cache_hits) == (5, 1)
+    for w, o in zip(ws, out, strict=True):
+        assert torch.equal(o, nvfp4.qdq(w.detach(), recipe=recipe))
+    sum((o * (i + 1)).sum() for i, o in enumerate(out)).backward()
+    for i, w in enumerate(ws):
+        assert torch.equal(w.grad, torch.full_like(w, i + 1.0))  # straight through
+    fake_quant.fake_quant_weights(ws, spec)
+    assert (fake_quant.STATS.qdq_calls, fake_quant.STATS.cache_hits) == (5, 6)
+    bad = [torch.randn(16, 32), torch.full((16, 32), float("nan"))]
+    with pytest.raises(nvfp4.NVFP4InputError, match="expert weight: contains NaN"):
+        fake_quant.fake_quant_weights(bad, spec, cache=False)
+
+
 # ----------------------------------------------------------------------------- built before apply()
 
 

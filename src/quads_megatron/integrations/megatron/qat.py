@@ -34,7 +34,7 @@ import torch
 
 from quads_megatron.config import QuadsConfig
 from quads_megatron.errors import QuadsPatchError
-from quads_megatron.fake_quant import FakeQuantSpec, fake_quant_weight
+from quads_megatron.fake_quant import FakeQuantSpec, fake_quant_weight, fake_quant_weights
 
 #: megatron-core versions this adapter was written against: [0.14, 0.20)
 SUPPORTED_RANGE = ((0, 14), (0, 20))
@@ -105,13 +105,24 @@ def _spec_for(module: torch.nn.Module) -> FakeQuantSpec | None:
     return FakeQuantSpec(t.scale_mode, target.experts_dim0, target.amax_group, cfg.nvfp4.weights)
 
 
+def _fused_wgrad(module: torch.nn.Module) -> bool:
+    return bool(
+        getattr(module, "gradient_accumulation_fusion", False) or getattr(module, "fuse_wgrad_accumulation", False)
+    )
+
+
 def _fq(module: torch.nn.Module, w: torch.Tensor, spec: FakeQuantSpec) -> torch.Tensor:
     assert STATE.config is not None
     _refuse_fsdp_param(w)
-    fused = bool(
-        getattr(module, "gradient_accumulation_fusion", False) or getattr(module, "fuse_wgrad_accumulation", False)
-    )
-    return fake_quant_weight(w, spec, cache=STATE.config.trainer.cache_qdq, fused_wgrad=fused)
+    return fake_quant_weight(w, spec, cache=STATE.config.trainer.cache_qdq, fused_wgrad=_fused_wgrad(module))
+
+
+def _fq_all(module: torch.nn.Module, ws: list[torch.Tensor], spec: FakeQuantSpec) -> list[torch.Tensor]:
+    """_fq of every per-expert weight of one grouped linear (their QDQs computed together)."""
+    assert STATE.config is not None
+    for w in ws:
+        _refuse_fsdp_param(w)
+    return fake_quant_weights(ws, spec, cache=STATE.config.trainer.cache_qdq, fused_wgrad=_fused_wgrad(module))
 
 
 def _weight_names(module: torch.nn.Module) -> list[str]:
@@ -151,7 +162,7 @@ def _wrap_get_weight_tensors(orig):
             raise QuadsPatchError(_SINGLE_GROUPED)
         if len(weights) == 1 and weights[0].dim() == 3:  # one grouped [E, N, K] weight
             spec = dataclasses.replace(spec, experts_dim0=True)
-        return [_fq(self, w, spec) for w in weights]
+        return _fq_all(self, weights, spec)
 
     _get_weight_tensors.__wrapped__ = orig  # type: ignore[attr-defined]
     return _get_weight_tensors
