@@ -23,7 +23,7 @@
 # stays warm) with arguments from RL_ARGS, its budget SECONDS - 90; call it again to resume. rl-smoke (e.g.
 # rl-smoke:330): the study of tests/gpu/test_rl_gpu.py (arms bf16, naive, quads for 3 steps on a 2-layer
 # model) in /tmp/rl_smoke, budget SECONDS - 60; it resumes too, and rl-test
-# then checks that directory (resuming it if needed). rl copies the summary (rl_summary.md/.json, plots) to
+# then checks that directory (resuming it if needed). rl copies the summary (rl_summary.md/.json, plots) and timing.json to
 # $OUT, rl-smoke its rl_summary.md/.json to $OUT/smoke (few files come back per call).
 set -u
 . /tmp/quads_env.sh
@@ -56,7 +56,7 @@ for spec in "$@"; do
     engine-bench) timeout "$secs" python3 benchmarks/bench_engine.py --out "$OUT" ${BENCH_ENGINE_ARGS:-} > "$log" 2>&1 ;;
     rl) run=${RL_RUN:-/tmp/rl_run}
         timeout "$secs" python3 -m quads_megatron.cli rl --out "$run" --budget-s $((secs - 90)) ${RL_ARGS:-} > "$log" 2>&1
-        rc=$?; cp "$run"/summary/rl_* "$OUT"/ 2>/dev/null; (exit $rc) ;;
+        rc=$?; cp "$run"/summary/rl_* "$run"/timing.json "$OUT"/ 2>/dev/null; (exit $rc) ;;
     rl-smoke) timeout "$secs" python3 -m quads_megatron.cli rl --out /tmp/rl_smoke --model smoke \
           --arms main --steps 3 --sft-steps 20 --prompts 8 --group 4 --digits 3 \
           --budget-s $((secs - 60)) > "$log" 2>&1
