@@ -142,3 +142,31 @@ def test_malformed_flat_buckets_are_refused():
             live_sync.unflatten_bucket(n, t)
     with pytest.raises(ValueError, match="no flat form"):
         live_sync.flatten_bucket([("b", torch.ones(2, dtype=torch.complex64))])
+
+
+def test_the_loaders_batched_value_tests_answer_as_per_tensor_tests():
+    """weight_sync._failing (tensors of a test, dtype and size tested together) gives each tensor the
+    answer its own test gives: NaN/Inf anywhere, a negative element, an element not > 0; empty tensors,
+    -0.0, fp8 and one-element tensors included."""
+    from quads_megatron.integrations.sglang import weight_sync
+
+    def own(test, t):
+        x = t if t.dtype in (torch.bfloat16, torch.float32) else t.float()
+        if test == "nonfinite":
+            return not bool(torch.isfinite(x).all())
+        return bool((x < 0).any()) if test == "negative" else not bool((x > 0).all())
+
+    g = torch.Generator().manual_seed(9)
+    tests = []
+    for i in range(60):
+        shape = [(4, 8), (4, 8), (), (1,), (0,), (3, 5)][i % 6]
+        t = torch.rand(shape, generator=g) + 0.1
+        if t.numel() and i % 4 == 1:
+            bad = [float("nan"), -0.0, -1.0, 0.0, float("inf")][(i // 4) % 5]
+            t.view(-1)[int(torch.randint(0, t.numel(), (1,), generator=g))] = bad
+        dtype = [torch.float32, torch.bfloat16, torch.float8_e4m3fn][i % 3]
+        for test in ("nonfinite", "negative", "nonpositive"):
+            tests.append((test, t.to(dtype)))
+    want = [own(test, t) for test, t in tests]
+    assert weight_sync._failing(tests) == want
+    assert any(want) and not all(want)

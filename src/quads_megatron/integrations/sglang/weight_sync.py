@@ -46,19 +46,15 @@ _PACKED_DTYPES = {
 }
 
 
-def _nonfinite(t: torch.Tensor) -> torch.Tensor:
-    """A 0-dim bool tensor on t's device: whether t holds a NaN or Inf."""
-    return ~torch.isfinite(t if t.dtype in (torch.bfloat16, torch.float16, torch.float32) else t.float()).all()
-
-
 def _is_bf16_expert_weight(target: Target, t: torch.Tensor) -> bool:
     """A BF16/FP32 expert weight bound for a quads_nvfp4 layer (quantized here)."""
     return target.quads and target.kind == "weight" and t.is_floating_point()
 
 
-#: a check of values: (the problem's text, a 0-dim bool tensor that is True where the problem is there),
-#: read for the whole update at once (one device sync instead of a few per tensor)
-ValueCheck = tuple[str, torch.Tensor]
+#: a check of values: (the problem's text, the test, the tensor); the tests are "nonfinite" (a NaN or Inf),
+#: "negative" (an element < 0) and "nonpositive" (an element not > 0). They run for the whole update at
+#: once (_failing: a few launches per dtype and size instead of a few per tensor, one transfer per device).
+ValueCheck = tuple[str, str, torch.Tensor]
 
 
 def _tensor_problem(target: Target, t: torch.Tensor) -> tuple[str | None, list[ValueCheck]]:
@@ -92,23 +88,47 @@ def _tensor_problem(target: Target, t: torch.Tensor) -> tuple[str | None, list[V
         ), []
     checks: list[ValueCheck] = []
     if t.is_floating_point():
-        checks.append(("has NaN/Inf values", _nonfinite(t)))
+        checks.append(("has NaN/Inf values", "nonfinite", t))
     if target.quads and target.kind == "weight_scale":
-        checks.append(("has negative block scales", (t.float() < 0).any()))
+        checks.append(("has negative block scales", "negative", t))
     if target.quads and target.kind in PER_TENSOR_KINDS:
-        checks.append((f"{target.kind} must be positive", ~(t.float() > 0).all()))
+        checks.append((f"{target.kind} must be positive", "nonpositive", t))
     return None, checks
 
 
-def _holding(flags: list[torch.Tensor]) -> list[bool]:
-    """The values of 0-dim bool tensors, read with one transfer per device."""
-    out = [False] * len(flags)
+def _failing(tests: list[tuple[str, torch.Tensor]]) -> list[bool]:
+    """For each (test, tensor): whether the tensor fails it. Tensors of one test, dtype, device and size are
+    joined into one [count, size] tensor (as bytes, so any dtype joins) and tested in one pass; the
+    answers of a device come back in one transfer."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, (test, t) in enumerate(tests):
+        groups[(test, t.dtype, t.device, t.numel())].append(i)
+    answers: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = defaultdict(list)
+    for (test, dtype, device, numel), idx in groups.items():
+        x = torch.cat([tests[i][1].reshape(-1).view(torch.uint8) for i in idx]).view(dtype).view(len(idx), numel)
+        x = x if dtype in (torch.bfloat16, torch.float16, torch.float32) else x.float()
+        bad = ~torch.isfinite(x) if test == "nonfinite" else (x < 0) if test == "negative" else ~(x > 0)
+        answers[device].append((idx, bad.any(dim=1)))
+    out = [False] * len(tests)
+    for parts in answers.values():
+        values = torch.cat([a for _, a in parts]).tolist()
+        for i, v in zip([i for idx, _ in parts for i in idx], values, strict=True):
+            out[i] = v
+    return out
+
+
+def _differing(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
+    """For each pair of one-element tensors: whether their fp32 values differ (NaN differs), one transfer
+    per device."""
     by_device: dict[torch.device, list[int]] = defaultdict(list)
-    for i, f in enumerate(flags):
-        by_device[f.device].append(i)
-    for idx in by_device.values():
-        for i, v in zip(idx, torch.stack([flags[i].reshape(()) for i in idx]).tolist(), strict=True):
-            out[i] = bool(v)
+    for i, (a, _) in enumerate(pairs):
+        by_device[a.device].append(i)
+    out = [False] * len(pairs)
+    for device, idx in by_device.items():
+        a = torch.stack([pairs[i][0].float().reshape(()) for i in idx])
+        b = torch.stack([pairs[i][1].float().reshape(()).to(device) for i in idx])
+        for i, v in zip(idx, (a != b).tolist(), strict=True):
+            out[i] = v
     return out
 
 
@@ -121,7 +141,7 @@ def _pairing_problems(checked: list[tuple[Target, torch.Tensor]]) -> list[tuple[
         if target.quads:
             kind = "bf16" if _is_bf16_expert_weight(target, t) else target.kind
             groups[(target.path, target.expert)][(target.shard, kind)] = (target, t)
-    found: list[tuple[str, str, torch.Tensor | None]] = []  # None: a problem whatever the values
+    found: list[tuple[str, str, tuple[torch.Tensor, torch.Tensor] | None]] = []  # None: whatever the values
     for parts in groups.values():
         for shard, other in (("w1", "w3"), ("w3", "w1"), ("w2", None)):
             bf16 = parts.get((shard, "bf16"))
@@ -136,14 +156,14 @@ def _pairing_problems(checked: list[tuple[Target, torch.Tensor]]) -> list[tuple[
             name = (g or u)[0].name
             found.append((name, "send gate and up global scales together (weight_scale_2 of both)", None))
         elif g:
-            differ = g[1].float().reshape(()) != u[1].float().reshape(())
-            found.append((u[0].name, f"differs from {g[0].name}: gate and up must share one global scale", differ))
+            found.append(
+                (u[0].name, f"differs from {g[0].name}: gate and up must share one global scale", (g[1], u[1]))
+            )
         g, u = parts.get(("w1", "input_scale")), parts.get(("w3", "input_scale"))
         if g and u:
-            differ = g[1].float().reshape(()) != u[1].float().reshape(())
-            found.append((u[0].name, f"differs from {g[0].name}: gate and up read the same input", differ))
-    flags = iter(_holding([f for _, _, f in found if f is not None]))
-    return [(name, why) for name, why, f in found if f is None or next(flags)]
+            found.append((u[0].name, f"differs from {g[0].name}: gate and up read the same input", (g[1], u[1])))
+    differ = iter(_differing([pair for _, _, pair in found if pair is not None]))
+    return [(name, why) for name, why, pair in found if pair is None or next(differ)]
 
 
 def check_update(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> list[Target]:
@@ -170,10 +190,10 @@ def check_update(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) 
             problems.append((pos, name, problem))
         else:
             pending.append((pos, name, target, t, checks))
-    flags = iter(_holding([f for *_, checks in pending for _, f in checks]))
+    flags = iter(_failing([(test, v) for *_, checks in pending for _, test, v in checks]))
     checked: list[tuple[Target, torch.Tensor]] = []
     for pos, name, target, t, checks in pending:
-        holding = [why for why, _ in checks if next(flags)]  # consumes every flag of this tensor
+        holding = [why for why, _, _ in checks if next(flags)]  # consumes every flag of this tensor
         if holding:
             problems.append((pos, name, holding[0]))
         else:
