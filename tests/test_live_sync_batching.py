@@ -144,11 +144,14 @@ def test_malformed_flat_buckets_are_refused():
         live_sync.flatten_bucket([("b", torch.ones(2, dtype=torch.complex64))])
 
 
-def test_the_loaders_batched_value_tests_answer_as_per_tensor_tests():
+@pytest.mark.parametrize("join_bytes", [64 << 20, 100], ids=["joined", "cut"])
+def test_the_loaders_batched_value_tests_answer_as_per_tensor_tests(join_bytes, monkeypatch):
     """weight_sync._failing (tensors of a test, dtype and size tested together) gives each tensor the
     answer its own test gives: NaN/Inf anywhere, a negative element, an element not > 0; empty tensors,
     -0.0, fp8 and one-element tensors included."""
     from quads_megatron.integrations.sglang import weight_sync
+
+    monkeypatch.setattr(weight_sync, "JOIN_BYTES", join_bytes)  # 100: groups cut into a few tensors each
 
     def own(test, t):
         x = t if t.dtype in (torch.bfloat16, torch.float32) else t.float()

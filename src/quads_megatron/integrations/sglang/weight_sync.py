@@ -96,15 +96,21 @@ def _tensor_problem(target: Target, t: torch.Tensor) -> tuple[str | None, list[V
     return None, checks
 
 
+JOIN_BYTES = 64 << 20  # the most bytes _failing joins into one tensor (a bounded transient copy)
+
+
 def _failing(tests: list[tuple[str, torch.Tensor]]) -> list[bool]:
     """For each (test, tensor): whether the tensor fails it. Tensors of one test, dtype, device and size are
-    joined into one [count, size] tensor (as bytes, so any dtype joins) and tested in one pass; the
-    answers of a device come back in one transfer."""
+    joined (up to JOIN_BYTES) into one [count, size] tensor (as bytes, so any dtype joins) and tested in one
+    pass; the answers of a device come back in one transfer."""
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, (test, t) in enumerate(tests):
-        groups[(test, t.dtype, t.device, t.numel())].append(i)
+        key = (test, t.dtype, t.device, t.numel())
+        if groups[key] and (len(groups[key]) + 1) * t.numel() * t.element_size() > JOIN_BYTES:
+            groups[(*key, i)] = groups.pop(key)  # a full group keeps its place under a key of its own
+        groups[key].append(i)
     answers: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = defaultdict(list)
-    for (test, dtype, device, numel), idx in groups.items():
+    for (test, dtype, device, numel, *_), idx in groups.items():
         x = torch.cat([tests[i][1].reshape(-1).view(torch.uint8) for i in idx]).view(dtype).view(len(idx), numel)
         x = x if dtype in (torch.bfloat16, torch.float16, torch.float32) else x.float()
         bad = ~torch.isfinite(x) if test == "nonfinite" else (x < 0) if test == "negative" else ~(x > 0)
