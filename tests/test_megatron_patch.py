@@ -213,8 +213,10 @@ class FakeTEGroupedLinearForCPU(torch.nn.Module):
         return [self.weight] if self.grouped else [getattr(self, f"weight{i}") for i in range(self.experts)]
 
 
+@pytest.mark.parametrize("batch_bytes", [128 << 20, 32 * 48 * 4], ids=["one-pass", "expert-by-expert"])
 @pytest.mark.parametrize("grouped", [False, True])
-def test_te_grouped_weight_hook_quantizes_each_expert_separately(grouped):
+def test_te_grouped_weight_hook_quantizes_each_expert_separately(grouped, batch_bytes, monkeypatch):
+    monkeypatch.setattr(fake_quant, "QDQ_BATCH_BYTES", batch_bytes)
     mod = FakeTEGroupedLinearForCPU(grouped=grouped)
     mod._quads_target = megatron_core.QuadsTarget("routed", "fc1", lambda: None)
     megatron_core.STATE.config = quads_megatron.load_config(None)
@@ -230,9 +232,12 @@ def test_te_grouped_weight_hook_quantizes_each_expert_separately(grouped):
 
 
 @pytest.mark.parametrize("recipe", [nvfp4.NVFP4Recipe(), nvfp4.NVFP4Recipe(True, 256, "MSE")], ids=["plain", "4over6"])
-def test_a_grouped_linears_experts_are_fake_quantized_together(recipe):
+@pytest.mark.parametrize("batch_bytes", [128 << 20, 2 * 16 * 32 * 4], ids=["one-stack", "stacks-of-2"])
+def test_a_grouped_linears_experts_are_fake_quantized_together(recipe, batch_bytes, monkeypatch):
     """fake_quant_weights: the same values and STE gradients as fake_quant_weight of each weight; only the
-    weights the cache lacks are quantized (together), the others are hits; other shapes go one by one."""
+    weights the cache lacks are quantized (together, in stacks of at most QDQ_BATCH_BYTES), the others are
+    hits; other shapes go one by one."""
+    monkeypatch.setattr(fake_quant, "QDQ_BATCH_BYTES", batch_bytes)
     ws = [torch.nn.Parameter(torch.randn(16, 32) * 4**i) for i in range(4)] + [torch.nn.Parameter(torch.randn(8, 32))]
     spec = fake_quant.FakeQuantSpec(recipe=recipe)
     fake_quant.clear_cache()

@@ -50,6 +50,7 @@ class FakeQuantStats:
 
 
 STATS = FakeQuantStats()
+QDQ_BATCH_BYTES = 128 << 20  # fp32 bytes of experts QDQ'd in one pass (bounds the transient memory)
 _GENERATION = [0]
 # id(param) -> (weakref(param), version key, qdq tensor); entries drop when the param dies
 _CACHE: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
@@ -89,9 +90,9 @@ def _qdq(x: torch.Tensor, scale_mode: str, global_amax: torch.Tensor, recipe: nv
 def qdq_weight(w: torch.Tensor, spec: FakeQuantSpec) -> torch.Tensor:
     """qdq(w) in w.dtype, no autograd; [E, N, K] weights with experts_dim0 get one scale per expert.
 
-    The experts go through one row-scaled QDQ whose every row carries its expert's amax: the same S_enc
-    per element as a per-tensor QDQ of each expert, so the same bits, in a few launches instead of a few
-    per expert."""
+    The experts go through row-scaled QDQs whose every row carries its expert's amax: the same S_enc per
+    element as a per-tensor QDQ of each expert, so the same bits, in a few launches per QDQ_BATCH_BYTES
+    of experts instead of a few per expert."""
     x = w.detach()
     nvfp4.check_quantizable(x, "expert weight")
     if spec.experts_dim0:
@@ -100,8 +101,13 @@ def qdq_weight(w: torch.Tensor, spec: FakeQuantSpec) -> torch.Tensor:
         if spec.scale_mode == "tensor":
             a = x.abs().amax(dim=(1, 2)).float()
             a = _reduce_amax(a, spec.amax_group)
-            rows = a.repeat_interleave(x.shape[1]).unsqueeze(-1)  # [E * N, 1]
-            return _qdq(x.reshape(-1, x.shape[-1]), "row", rows, spec.recipe).reshape(x.shape)
+            per = max(1, QDQ_BATCH_BYTES // max(1, 4 * x[0].numel()))
+            outs = []
+            for e in range(0, x.shape[0], per):
+                xs = x[e : e + per]
+                rows = a[e : e + per].repeat_interleave(x.shape[1]).unsqueeze(-1)  # [experts * N, 1]
+                outs.append(_qdq(xs.reshape(-1, x.shape[-1]), "row", rows, spec.recipe).reshape(xs.shape))
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
     a = _reduce_amax(nvfp4.amax(x, spec.scale_mode), spec.amax_group)  # type: ignore[arg-type]
     return _qdq(x, spec.scale_mode, a, spec.recipe)
 
@@ -178,27 +184,28 @@ def fake_quant_weights(
     ws: list[torch.Tensor], spec: FakeQuantSpec, cache: bool = True, fused_wgrad: bool = False
 ) -> list[torch.Tensor]:
     """fake_quant_weight of each of ws, the per-expert weights of one grouped linear (each its own global
-    scale): the QDQs the cache lacks are computed together (qdq_weight of their [E, N, K] stack, the same
-    bits as one by one). Weights of other shapes or dtypes, or row scaling, go one by one."""
+    scale): the QDQs the cache lacks are computed together (qdq_weight of their [E, N, K] stack, in stacks
+    of at most QDQ_BATCH_BYTES; the same bits as one by one). Weights of other shapes or dtypes, or row
+    scaling, go one by one."""
     got = [_cached(w, spec) if cache else None for w in ws]
     STATS.cache_hits += sum(q is not None for q in got)
     miss = [i for i, q in enumerate(got) if q is None]
     batch = len(miss) > 1 and spec.scale_mode == "tensor" and not spec.experts_dim0
     batch = batch and len({(ws[i].shape, ws[i].dtype, ws[i].device) for i in miss}) == 1 and ws[miss[0]].dim() == 2
-    if batch:
+    per = max(1, QDQ_BATCH_BYTES // max(1, 4 * ws[miss[0]].numel())) if batch else 0
+    for c in range(0, len(miss), per) if batch else ():
+        chunk = miss[c : c + per]
         t0 = time.perf_counter()
-        stacked = torch.stack([ws[i].detach() for i in miss])
         try:
-            qs = qdq_weight(stacked, dataclasses.replace(spec, experts_dim0=True))
+            qs = qdq_weight(torch.stack([ws[i].detach() for i in chunk]), dataclasses.replace(spec, experts_dim0=True))
         except nvfp4.NVFP4InputError:
-            qs = None  # one by one below: the error then names the weight (as fake_quant_weight's does)
-        if qs is not None:
-            STATS.qdq_calls += len(miss)
-            STATS.qdq_seconds += time.perf_counter() - t0
-            for j, i in enumerate(miss):
-                got[i] = qs[j]
-                if cache:
-                    _store(ws[i], spec, qs[j])
+            break  # one by one below: the error then names the weight (as fake_quant_weight's does)
+        STATS.qdq_calls += len(chunk)
+        STATS.qdq_seconds += time.perf_counter() - t0
+        for j, i in enumerate(chunk):
+            got[i] = qs[j]
+            if cache:
+                _store(ws[i], spec, qs[j])
     out = []
     for w, w_q in zip(ws, got, strict=True):
         if w_q is None:
