@@ -75,9 +75,8 @@ def _same_run(run: list, m: re.Match, w: torch.Tensor) -> bool:
 
 def _expert_run_tensors(run, ep_rank, num_local_experts, hf_prefix, layer_offset, input_amax, cfg):
     """The ModelOpt tensors of a run of experts (one layer's fc1 or fc2), in the run's order."""
-    weights = [w for _, _, w in run]
+    stacked = torch.stack([w.detach() for _, _, w in run])
     try:
-        stacked = torch.stack([w.detach() for w in weights])
         check_weight(stacked[0], run[0][0])  # 2-D and K % 16; finiteness of all below, in one sync
         finite = bool(torch.isfinite(stacked).all())
     except ConvertError:
