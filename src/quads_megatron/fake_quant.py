@@ -105,7 +105,7 @@ def qdq_weight(w: torch.Tensor, spec: FakeQuantSpec) -> torch.Tensor:
             outs = []
             for e in range(0, x.shape[0], per):
                 xs = x[e : e + per]
-                rows = a[e : e + per].repeat_interleave(x.shape[1]).unsqueeze(-1)  # [experts * N, 1]
+                rows = nvfp4.per_slice_rows(a[e : e + per], x.shape[1])  # [experts * N, 1]
                 outs.append(_qdq(xs.reshape(-1, x.shape[-1]), "row", rows, spec.recipe).reshape(xs.shape))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
     a = _reduce_amax(nvfp4.amax(x, spec.scale_mode), spec.amax_group)  # type: ignore[arg-type]

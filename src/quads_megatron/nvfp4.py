@@ -284,37 +284,6 @@ def quantize(
             global_amax = global_amax.reshape(())
         if not bool(torch.isfinite(global_amax).all()) or bool((global_amax < 0).any()):
             raise NVFP4InputError("global_amax must be finite and non-negative")
-    return _quantize_under(xf, global_amax, recipe)
-
-
-def quantize_each(
-    x: torch.Tensor, global_amax: torch.Tensor | None = None, recipe: NVFP4Recipe | None = None
-) -> list[NVFP4Tensor]:
-    """quantize(x[b], "tensor", global_amax[b]) of every x[b] of x [B, ..., K], in one pass (a few
-    launches instead of a few per tensor), bit for bit the same: every op is elementwise or within a
-    block, so each slice sees its own global scale. global_amax: [B] or None (each slice's own amax)."""
-    recipe = _recipe(recipe)
-    check_quantizable(x, "quantize_each input")
-    if x.dim() < 2:
-        raise NVFP4InputError(f"quantize_each: expected [B, ..., K], got shape {tuple(x.shape)}")
-    xf = x.detach().float()
-    lead = (x.shape[0],) + (1,) * (x.dim() - 1)
-    if global_amax is None:
-        global_amax = xf.abs().amax(dim=tuple(range(1, x.dim()))).reshape(lead)
-    else:
-        global_amax = global_amax.detach().float().to(xf.device)
-        if global_amax.numel() != x.shape[0]:
-            raise NVFP4InputError(f"quantize_each: global_amax needs {x.shape[0]} values, got {global_amax.numel()}")
-        if not bool(torch.isfinite(global_amax).all()) or bool((global_amax < 0).any()):
-            raise NVFP4InputError("global_amax must be finite and non-negative")
-        global_amax = global_amax.reshape(lead)
-    q = _quantize_under(xf, global_amax, recipe)
-    return [NVFP4Tensor(q.codes[b], q.block_scales[b], q.global_decode[b].reshape(())) for b in range(x.shape[0])]
-
-
-def _quantize_under(xf: torch.Tensor, global_amax: torch.Tensor, recipe: NVFP4Recipe) -> NVFP4Tensor:
-    """The quantization of fp32 xf [..., K] under global_amax ([], or broadcastable over xf's leading dims
-    with a trailing 1: [..., 1])."""
     s_enc = global_encode_scale(global_amax, recipe)
     s_dec = torch.div(1.0, s_enc)
     blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
@@ -326,6 +295,34 @@ def _quantize_under(xf: torch.Tensor, global_amax: torch.Tensor, recipe: NVFP4Re
         scales = block_scales_from_amax(block_amax, s_enc)
         codes = _encode_blocks(blocks, scales, s_dec)
     return NVFP4Tensor(codes=pack_e2m1(codes.reshape(xf.shape)), block_scales=scales, global_decode=s_dec)
+
+
+def per_slice_rows(global_amax: torch.Tensor, rows: int) -> torch.Tensor:
+    """[B] per-tensor amaxes -> the [B * rows, 1] per-row amaxes of the B tensors stacked as rows: a
+    'row'-scaled quantization under them gives every element the S_enc of its own tensor, so the bits of
+    quantizing each tensor alone ('tensor' scale), in one pass."""
+    return global_amax.float().reshape(-1).repeat_interleave(rows).unsqueeze(-1)
+
+
+def quantize_each(
+    x: torch.Tensor, global_amax: torch.Tensor | None = None, recipe: NVFP4Recipe | None = None
+) -> list[NVFP4Tensor]:
+    """quantize(x[b], "tensor", global_amax[b]) of every x[b] of x [B, ..., K], in one pass (per_slice_rows),
+    bit for bit the same. global_amax: [B] or None (each slice's own amax)."""
+    check_quantizable(x, "quantize_each input")
+    if x.dim() < 2:
+        raise NVFP4InputError(f"quantize_each: expected [B, ..., K], got shape {tuple(x.shape)}")
+    b, k = x.shape[0], x.shape[-1]
+    if global_amax is None:
+        global_amax = x.detach().abs().amax(dim=tuple(range(1, x.dim()))).float()
+    elif global_amax.numel() != b:
+        raise NVFP4InputError(f"quantize_each: global_amax needs {b} values, got {global_amax.numel()}")
+    rows = x[0].numel() // k
+    if rows == 0:
+        raise NVFP4InputError(f"quantize_each: empty slices, shape {tuple(x.shape)}")
+    q = quantize(x.reshape(-1, k), "row", per_slice_rows(global_amax.to(x.device), rows), check=False, recipe=recipe)
+    codes, scales = q.codes.reshape(*x.shape[:-1], k // 2), q.block_scales.reshape(*x.shape[:-1], k // BLOCK_SIZE)
+    return [NVFP4Tensor(codes[i], scales[i], q.global_decode[i * rows].reshape(())) for i in range(b)]
 
 
 def _encode_blocks(blocks: torch.Tensor, scales: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
