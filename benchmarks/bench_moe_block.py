@@ -50,6 +50,7 @@ ARMS = (
     "ours_rac50",
     "ours_rac50_static",
     "ours_torch_route",
+    "ours_no_mma",
     "sglang_fp8",
     "sglang_fp8_tuned",
     "sglang_fp8_tensor",
@@ -158,6 +159,8 @@ def markdown(result: dict) -> str:
         "Ratios > 1: ours faster. Static RAC plans: fc1 from the inputs' residuals, fc2 arbitrary (time",
         "depends on the channel count only). 'ours, torch routing': the same block with the routing as a",
         "dozen torch ops instead of the one-launch kernel (kernels/route.py), measured in the same run.",
+        "'ours, no mma GEMM': the same block with the GEMMs impl='auto' ran before the decode-size GEMM",
+        "(kernels/gemm_mma.py): Triton at <= 1024 grouped rows, the Gluon wgmma kernel above (A/B, same run).",
         "",
     ]
     shipped = result.get("sglang_tuned_configs") or {}
@@ -187,7 +190,7 @@ def markdown(result: dict) -> str:
         "ours vs bf16",
     ]
     head += ["RAC50 vs FP8", "RAC50 vs FP8 tuned", "NVFP4 floor", "ours % floor", "FP8 floor", "FP8 % floor"]
-    head += ["FP8 tuned % floor", "ours max err", "ours, torch routing"]
+    head += ["FP8 tuned % floor", "ours max err", "ours, torch routing", "ours GEMM", "ours, no mma GEMM"]
     rows = []
     for r in result["rows"]:
         rows.append(
@@ -202,7 +205,7 @@ def markdown(result: dict) -> str:
                 f(r.get("hbm_floor_us")), f(r.get("ours_pct_floor"), ".0f"), f(r.get("fp8_floor_us")),
                 f(r.get("sglang_fp8_pct_floor"), ".0f"), f(r.get("sglang_fp8_tuned_pct_floor"), ".0f"),
                 f(r.get("ours_max_abs_err"), ".2e"),
-                f(r.get("ours_torch_route_us")),
+                f(r.get("ours_torch_route_us")), r.get("ours_impl", "-"), f(r.get("ours_no_mma_us")),
             ]
         )  # fmt: skip
     lines += bench_env.table(head, rows)
@@ -466,7 +469,7 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
     weights = inp["nvfp4"]
     rac_dyn, rac_static = rac(shape, t["x"], False, args.device), rac(shape, t["x"], True, args.device)
     if cuda:
-        row["ours_impl"] = "wgmma" if moe.hopper_gemm_usable(t["x"].device, weights, ids.numel()) else "triton"
+        row["ours_impl"] = moe.gemm_impl(t["x"].device, weights, ids.numel())
     bf16_out = torch_bf16_block(t, inp, shape["topk"])
 
     def ours(r: moe.LayerRAC | None = None):
@@ -484,6 +487,9 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
 
     fns = {"ours": ours(), "ours_rac50": ours(rac_dyn), "ours_rac50_static": ours(rac_static)}
     fns["ours_torch_route"] = ours_torch_route
+    if cuda:  # A/B of the decode-size GEMM: the GEMMs auto ran without it
+        no_mma = "wgmma" if moe.hopper_gemm_usable(t["x"].device, weights, ids.numel()) else "triton"
+        fns["ours_no_mma"] = lambda: moe.moe_w4a4(t["x"], ids, t["w"], weights, impl=no_mma, check=False)
     fns["torch_bf16"] = lambda: torch_bf16_block(t, inp, shape["topk"])
     for arm in (a for a in ARMS if a.startswith("sglang")):
         if arm not in args.arms:

@@ -36,11 +36,11 @@ def pieces(t: dict, weights: moe.ExpertWeights, rac: moe.LayerRAC) -> dict:
     """The block's launches as closures over the previous launches' outputs (computed once here)."""
     x, ids, w = t["x"], t["ids"], t["w"]
     rows = ids.numel()
-    wgmma = moe.hopper_gemm_usable(x.device, weights, rows)
-    order_kind = "wgmma" if wgmma else "pairs"
+    gemm = moe.gemm_impl(x.device, weights, rows) if x.is_cuda else "triton"
+    order_kind = "wgmma" if gemm == "wgmma" else "pairs"
     h, i = weights.hidden, weights.intermediate
-    cfg1, bt1 = moe._gemm_config(rows, 2 * i, h, wgmma, x.dtype, x.device)
-    cfg2, bt2 = moe._gemm_config(rows, h, i, wgmma, x.dtype, x.device)
+    cfg1, bt1 = moe._gemm_config(rows, 2 * i, h, gemm, x.dtype, x.device)
+    cfg2, bt2 = moe._gemm_config(rows, h, i, gemm, x.dtype, x.device)
     r = route.route(ids, weights.num_experts)
 
     def op1():
@@ -79,7 +79,7 @@ def pieces(t: dict, weights: moe.ExpertWeights, rac: moe.LayerRAC) -> dict:
         "fc2": fc2,
         "combine": comb,
         "_out": comb(),
-        "_impl": "wgmma" if wgmma else "triton",
+        "_impl": gemm,
     }
 
 

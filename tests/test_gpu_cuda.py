@@ -8,7 +8,9 @@ test_megatron_patch / test_moe_w4a4 cover the same contracts through the CPU pat
 * the block's fused pieces on the GPU: token-indexed fc1 rows, gated fc2 quantization, combine;
 * the Gluon Hopper GEMM (kernels/gemm_wgmma.py: the one-partition kernel and the warp-specialized one)
   against the Triton GEMM on every tile it may pick, and the whole block on it (moe_w4a4's default on
-  an H200).
+  an H200);
+* the decode-size Gluon GEMM (kernels/gemm_mma.py) against the Triton GEMM on every tile it may pick,
+  and the whole block on it.
 """
 
 import functools
@@ -102,7 +104,7 @@ def moe_case(t, seed=0):
     return x, ids, tw, w
 
 
-@pytest.mark.parametrize("impl", ["triton", "wgmma"])
+@pytest.mark.parametrize("impl", ["triton", "wgmma", "mma"])
 @pytest.mark.parametrize("rac", ["plain", "static", "dynamic"])
 def test_moe_block_triton_matches_reference_on_gpu(rac, impl):
     from quads_megatron.rollout import rac_plan
@@ -152,7 +154,7 @@ def test_moe_block_captures_in_a_cuda_graph():
     assert torch.equal(out, moe_w4a4(x2, ids2, tw2, w, r, check=False))
 
 
-@pytest.mark.parametrize("impl", ["triton", "wgmma"])
+@pytest.mark.parametrize("impl", ["triton", "wgmma", "mma"])
 @pytest.mark.parametrize("tokens", [16, 300])
 def test_programmatic_dependent_launch_changes_no_bit(monkeypatch, impl, tokens):
     """The block with its kernels launched programmatically dependent (kernels/pdl.py: each waits for the
@@ -319,6 +321,54 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
             ys += [gemm(config=WgmmaConfig(**three, tma_store=True))]
         assert len(ys) == (4 if bt == 128 and layer == "fc1" else 2)
         assert all(torch.equal(ys[0], y) for y in ys[1:]), kw
+
+
+@pytest.mark.parametrize("layer", ["fc1", "fc2"])
+def test_mma_gemm_matches_the_triton_gemm(layer):
+    """Same exact products, fp32 sums in another order: equal to ~1e-7 relative on every tile (row tails past
+    the tile, an expert without rows, experts with more rows than a tile, token-indexed and plain rows, bf16
+    and fp32 outputs), and the whole block on the tuned tiles at decode sizes."""
+    from quads_megatron import nvfp4
+    from quads_megatron.kernels import act_quant, gemm_triton, tile_configs
+    from quads_megatron.kernels import gemm_mma_launch as mm
+    from quads_megatron.kernels.tile_configs import MmaConfig, TritonGemmConfig
+    from quads_megatron.rollout.moe_block import route
+
+    n, k = (2 * INTER, H) if layer == "fc1" else (H, INTER)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    w = gemm_triton.stack_expert_weights(
+        [nvfp4.quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02) for _ in range(E)]
+    )
+    for t in (5, 37):  # 0-3 rows per expert, and up to ~25 (several 8- and 16-row tiles)
+        ids = torch.stack([torch.randperm(E - 1, generator=g, device="cuda")[:TOPK] for _ in range(t)])
+        order, offs, _ = route(ids, E)
+        tok = order // TOPK
+        x = (
+            torch.randn(t, k, generator=g, device="cuda") * torch.exp(torch.randn(k, generator=g, device="cuda"))
+        ).bfloat16()
+        pairs = act_quant.activation_operand(x)
+        rows = int(offs[-1])
+        gathered = act_quant.ActivationOperand(pairs.values[tok], pairs.global_decode[tok])
+        for a_rows in (tok, None):
+            op = pairs if a_rows is not None else gathered
+            cfg = TritonGemmConfig(block_m=16, block_n=64)
+            for dtype in (torch.float32, torch.bfloat16):
+                want = gemm_triton.grouped_w4a4(op, offs, *w, out_dtype=dtype, config=cfg, a_rows=a_rows)[:rows]
+                for bt, nw, rg, kc in [(8, 4, 1, 1), (8, 4, 1, 2), (8, 4, 2, 2), (8, 8, 1, 2), (16, 4, 1, 1),
+                                       (16, 4, 2, 2), (16, 8, 2, 1)]:  # fmt: skip
+                    kw = MmaConfig(block_t=bt, num_warps=nw, row_groups=rg, chunks=kc)
+                    got = mm.grouped_w4a4_mma(op.values, op.global_decode, offs, *w, dtype, a_rows, config=kw)
+                    assert got.dtype == dtype
+                    got, ref = got[:rows].float(), want.float()
+                    err = ((got - ref).norm() / ref.norm()).item()
+                    assert err < (1e-6 if dtype == torch.float32 else 5e-3), (kw, dtype, err)
+                    if dtype == torch.float32:
+                        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item()), kw
+        for big in (0, 128, 1024, 8192):  # the tuned tiles of each row bucket
+            kw = tile_configs.mma_config(big, k, "cuda") if big else None
+            y = mm.grouped_w4a4_mma(pairs.values, pairs.global_decode, offs, *w, a_rows=tok, config=kw)[:rows]
+            ref = gemm_triton.grouped_w4a4(pairs, offs, *w, a_rows=tok)[:rows].float()
+            assert torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-3 * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("err_mode,e4m3_max", [("MAE", 256), ("MSE", 448)])

@@ -13,7 +13,7 @@ import torch
 
 from quads_megatron.errors import KernelConfigError
 from quads_megatron.kernels import tile_configs
-from quads_megatron.kernels.tile_configs import ActQuantConfig, TritonGemmConfig, WgmmaConfig
+from quads_megatron.kernels.tile_configs import ActQuantConfig, MmaConfig, TritonGemmConfig, WgmmaConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FACTS = {  # values of each condition a lookup is asked about
@@ -43,7 +43,12 @@ def test_every_shipped_tile_is_valid_and_every_bucket_is_covered(kind):
     bucket (a max_rows value) every combination of the other facts finds a rule of that bucket: no shape
     falls through to another bucket's tile."""
     table = tile_configs.load_table(kind)
-    cls = {"triton_gemm": TritonGemmConfig, "wgmma_gemm": WgmmaConfig, "act_quant": ActQuantConfig}[kind]
+    cls = {
+        "triton_gemm": TritonGemmConfig,
+        "wgmma_gemm": WgmmaConfig,
+        "mma_gemm": MmaConfig,
+        "act_quant": ActQuantConfig,
+    }[kind]
     for device, entry in table["devices"].items():
         rules = entry["rules"]
         for rule in rules:
@@ -75,6 +80,9 @@ def test_lookups_give_their_dataclass_for_every_shape():
     for rows, n, dtype in itertools.product([1, 1025, 20000], FACTS["n"], (torch.bfloat16, torch.float32)):
         assert isinstance(tile_configs.wgmma_config(rows, n, dtype), WgmmaConfig)
         assert isinstance(tile_configs.wgmma_faster_than_triton(rows), bool)
+        assert isinstance(tile_configs.mma_used(rows), bool)
+        for k in (256, 768, 2048):
+            assert isinstance(tile_configs.mma_config(rows, k), MmaConfig)
     given = ActQuantConfig(block_m=8)  # fields given win, the others are tuned
     assert tile_configs.act_quant_config(64, 256, False, False, False, given=given).block_m == 8
 
@@ -98,6 +106,10 @@ def test_lookups_give_their_dataclass_for_every_shape():
         (lambda: WgmmaConfig(block_t=16, num_warps=8, stages=3, narrow=True), "narrow=True"),
         (lambda: WgmmaConfig(block_t=16, num_warps=8, stages=3, tma_store=True), "tma_store=True"),
         (lambda: WgmmaConfig(block_t=16, num_warps=8, stages=3, split=1), "must be a bool"),
+        (lambda: MmaConfig(block_t=32), "block_t=32"),
+        (lambda: MmaConfig(num_warps=2), "num_warps=2"),
+        (lambda: MmaConfig(row_groups=4), "row_groups=4"),
+        (lambda: MmaConfig(chunks=3), "chunks=3"),
         (lambda: ActQuantConfig(block_m=3), "block_m=3"),
         (lambda: ActQuantConfig(block_k=48), "block_k=48"),
         (lambda: ActQuantConfig(num_warps=32), "num_warps=32"),
@@ -126,6 +138,9 @@ def _bad_tables():
     t = _table("triton_gemm")
     t["devices"]["NVIDIA_H200"]["rules"][-1]["max_rows"] = 10**9
     yield "triton_gemm", t, "the last rule must have no conditions"
+    t = _table("mma_gemm")
+    del t["devices"]["NVIDIA_H200"]["used_up_to_rows"]
+    yield "mma_gemm", t, "used_up_to_rows"
     t = _table("wgmma_gemm")
     t["devices"]["NVIDIA_H200"]["rules"][2]["tile"]["warps"] = 8
     yield "wgmma_gemm", t, "rule 2: .*unexpected keyword argument 'warps'"

@@ -240,15 +240,7 @@ def compile_wgmma_sm90(tile, k: int = 2048, pdl: bool = False, dump: str | None 
             with open(os.path.join(dump, name + ext), "w") as out:
                 out.write(text)
     lines = sass.splitlines()
-    labels = {ln.strip()[:-1]: i for i, ln in enumerate(lines) if re.fullmatch(r"\w+:", ln.strip())}
-    first_mma = next(i for i, ln in enumerate(lines) if "HGMMA" in ln)
-    loop_end = next(  # the K loop's back edge: the first branch after the first wgmma that jumps above it
-        i
-        for i, ln in enumerate(lines)
-        if i > first_mma and (b := re.search(r"BRA (\w+)", ln)) and labels[b.group(1)] < first_mma
-    )
-    loop_top = labels[re.search(r"BRA (\w+)", lines[loop_end]).group(1)]
-    loop = [ln for ln in lines[loop_top + 1 : loop_end + 1] if ln.strip() and not ln.strip().endswith(":")]
+    loop = _k_loop(lines, r"HGMMA")  # the K loop's back edge: the first branch after the first wgmma jumping above it
     weights_per_thread = 64 * (t.num_warps // 4) * 128 * t.chunks * unroll // (32 * t.num_warps)
     ptx = compiled.asm["ptx"]
     reqntid = re.search(r"\.reqntid (\d+)", ptx)
@@ -279,15 +271,81 @@ def compile_wgmma_sm90(tile, k: int = 2048, pdl: bool = False, dump: str | None 
     }
 
 
+def _k_loop(lines: list[str], first: str) -> list[str]:
+    """The instructions of the K loop of parse_cuobjdump lines: from the label the first branch after the
+    first instruction matching `first` jumps back to, through that branch."""
+    labels = {ln.strip()[:-1]: i for i, ln in enumerate(lines) if re.fullmatch(r"\w+:", ln.strip())}
+    first_i = next(i for i, ln in enumerate(lines) if re.search(first, ln))
+    loop_end = next(
+        i
+        for i, ln in enumerate(lines)
+        if i > first_i and (b := re.search(r"BRA (\w+)", ln)) and labels[b.group(1)] < first_i
+    )
+    loop_top = labels[re.search(r"BRA (\w+)", lines[loop_end]).group(1)]
+    return [ln for ln in lines[loop_top + 1 : loop_end + 1] if ln.strip() and not ln.strip().endswith(":")]
+
+
+def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False) -> dict:
+    """Compile the decode-size Gluon GEMM (gemm_mma) at tile (a tile_configs.MmaConfig; bf16 output,
+    token-indexed rows, K=k) for sm_90 with Triton's ptxas, no GPU needed, and report its SASS: the HMMA
+    shapes and how many the K loop issues, its global loads by width, shared memory, local memory
+    (spills), registers per thread and the K loop's instructions per decoded weight."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from quads_megatron.kernels import gemm_mma as dev
+    from quads_megatron.kernels import gemm_mma_launch as host
+
+    t = tile
+    chunks = host.fit_tile(t, 16 * t.num_warps * t.row_groups, k)
+    consts = dict(K=k, HAS_AROWS=True, BT=t.block_t, NW=t.num_warps, RG=t.row_groups, KC=chunks, PDL=pdl)
+    consts.update(
+        CODES_LAYOUT=dev.codes_layout(t.num_warps, t.row_groups),
+        X_LAYOUT=dev.activation_layout(t.num_warps, t.block_t),
+        C16_LAYOUT=dev.codes16_layout(t.num_warps, t.row_groups),
+    )
+    signature = {**_SIGNATURE, **dict.fromkeys(consts, "constexpr")}
+    aligned = [i for i, name in enumerate(signature) if name.endswith("_ptr") or name == "N"]
+    src = GluonASTSource(
+        fn=dev.w4a4_mma_kernel,
+        signature=signature,
+        constexprs=consts,
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
+    )
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.num_warps))
+    lines = disassemble(compiled.asm["cubin"]).splitlines()
+    loop = _k_loop(lines, r"HMMA")
+    weights_per_thread = 16 * t.row_groups * 128 * chunks // 32
+    return {
+        "hmma_shape": sorted(set(re.findall(r"HMMA\.(\d+)\.F32", "\n".join(lines)))),
+        "loop_hmma": sum(1 for ln in loop if "HMMA" in ln),
+        "loop_loads": sorted(set(re.findall(r"\bLDG\.E(?:\.(\w+))?", "\n".join(loop)))),
+        "loop_shared": sum(1 for ln in loop if re.search(r"\b(?:LDS|STS|LDSM|BAR)\b", ln)),
+        "spills": sum(1 for ln in lines if re.search(r"\b(?:STL|LDL)(?:\.\w+)*\s", ln)),
+        "regs": registers_per_thread(compiled.asm["cubin"]),
+        "smem": compiled.metadata.shared,
+        "chunks": chunks,
+        "loop_instructions": len(loop),
+        "per_weight": len(loop) / weights_per_thread,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Compile each tile of a JSON list of WgmmaConfig fields (argv[0]; --k K) and print the reports as
-    one JSON list."""
-    from quads_megatron.kernels.tile_configs import WgmmaConfig
+    """Compile each tile of a JSON list of WgmmaConfig fields (argv[0]; --k K; --mma: MmaConfig fields, the
+    decode-size GEMM) and print the reports as one JSON list."""
+    from quads_megatron.kernels.tile_configs import MmaConfig, WgmmaConfig
 
     argv = sys.argv[1:] if argv is None else argv
-    k = 2048
-    if argv[:1] == ["--k"]:
-        k, argv = int(argv[1]), argv[2:]
+    k, mma = 2048, False
+    while argv[:1] in (["--k"], ["--mma"]):
+        if argv[0] == "--mma":
+            mma, argv = True, argv[1:]
+        else:
+            k, argv = int(argv[1]), argv[2:]
+    if mma:
+        print(json.dumps([compile_mma_sm90(MmaConfig(**t), k) for t in json.loads(argv[0])]))
+        return
     tiles = [WgmmaConfig(**t) for t in json.loads(argv[0])]
     print(json.dumps([compile_wgmma_sm90(t, k) for t in tiles]))
 

@@ -27,9 +27,10 @@ import torch
 
 from quads_megatron.errors import KernelConfigError
 
-KINDS = ("triton_gemm", "wgmma_gemm", "act_quant")
+KINDS = ("triton_gemm", "wgmma_gemm", "mma_gemm", "act_quant")
 CONDITIONS = {  # the conditions a kind's rules may state (facts its lookup knows)
     "triton_gemm": ("max_rows", "min_rows", "max_k"),
+    "mma_gemm": ("max_rows", "min_rows", "max_k"),
     "wgmma_gemm": ("max_rows", "min_rows", "max_k", "n_multiple_of", "out_bytes"),
     "act_quant": ("max_rows", "min_rows", "rac", "gated"),
 }
@@ -129,6 +130,28 @@ class WgmmaConfig:
 
 
 @dataclass(frozen=True)
+class MmaConfig:
+    """Tiles of the decode-size Gluon GEMM (gemm_mma_launch.grouped_w4a4_mma): block_t token rows per tile
+    (mma.sync's N, 8 or 16), num_warps warps of row_groups x 16 weight rows each, chunks 128-K chunks
+    loaded per k-step (fewer where K's chunks do not divide by it)."""
+
+    block_t: int = 8
+    num_warps: int = 4
+    row_groups: int = 1
+    chunks: int = 2
+
+    def __post_init__(self) -> None:
+        _check_ints(self, ("block_t", "num_warps", "row_groups", "chunks"))
+        if self.block_t not in (8, 16):
+            raise KernelConfigError(f"MmaConfig.block_t={self.block_t}: 8 or 16")
+        if self.num_warps not in (4, 8) or self.row_groups not in (1, 2) or self.chunks not in (1, 2):
+            raise KernelConfigError(
+                f"MmaConfig num_warps={self.num_warps}, row_groups={self.row_groups}, chunks={self.chunks}: "
+                "4 or 8 warps, 1 or 2 row groups, 1 or 2 chunks"
+            )
+
+
+@dataclass(frozen=True)
 class ActQuantConfig:
     """Tiles of the activation quantization (act_quant): block_m rows per program, block_k of K per
     pass (>= K: the whole row in registers, one read of x), warps. A field left None takes the tuned
@@ -148,7 +171,12 @@ class ActQuantConfig:
             raise KernelConfigError(f"ActQuantConfig.num_warps={self.num_warps}: 1, 2, 4, 8 or 16")
 
 
-_TILE_CLASS = {"triton_gemm": TritonGemmConfig, "wgmma_gemm": WgmmaConfig, "act_quant": ActQuantConfig}
+_TILE_CLASS = {
+    "triton_gemm": TritonGemmConfig,
+    "wgmma_gemm": WgmmaConfig,
+    "mma_gemm": MmaConfig,
+    "act_quant": ActQuantConfig,
+}
 
 
 def device_key(device: torch.device | str | None) -> str:
@@ -214,6 +242,10 @@ def check_table(kind: str, table: dict, where: str) -> None:
         for name, entry in devices.items():
             if not isinstance(entry.get("faster_than_triton_above_rows"), int):
                 raise KernelConfigError(f"{where}: device {name} needs faster_than_triton_above_rows")
+    if kind == "mma_gemm":
+        for name, entry in devices.items():
+            if not isinstance(entry.get("used_up_to_rows"), int):
+                raise KernelConfigError(f"{where}: device {name} needs used_up_to_rows")
 
 
 def device_entry(kind: str, device: torch.device | str | None = None) -> dict:
@@ -275,6 +307,17 @@ def wgmma_faster_than_triton(rows: int, device: torch.device | str | None = None
     """Whether the Gluon GEMM beat the Triton GEMM at this many grouped rows on this device (moe_block's
     impl='auto' follows it)."""
     return rows > device_entry("wgmma_gemm", device)["faster_than_triton_above_rows"]
+
+
+def mma_config(rows: int, k: int, device: torch.device | str | None = None) -> MmaConfig:
+    """The tuned tiles of the decode-size Gluon GEMM at this many grouped rows and inner size K."""
+    return MmaConfig(**match_rule("mma_gemm", device, rows=rows, k=k)[1]["tile"])
+
+
+def mma_used(rows: int, device: torch.device | str | None = None) -> bool:
+    """Whether moe_block's impl='auto' runs the decode-size GEMM at this many grouped rows on this device
+    (where it beat the other GEMMs in the tile sweep, dev/probe_mma_tiles.py; 0: nowhere)."""
+    return rows <= device_entry("mma_gemm", device)["used_up_to_rows"]
 
 
 def act_quant_config(

@@ -162,11 +162,11 @@ def moe_w4a4(
     """MoE experts of x [T, H] (bf16/fp16) with topk_ids/topk_weights [T, k] -> [T, H] in x.dtype.
 
     impl: 'reference' (torch), 'triton' (Triton kernels; CPU only under TRITON_INTERPRET=1), 'wgmma'
-    (the expert GEMMs on the Gluon Hopper kernel instead: sm_90, K % 128 == 0, K >= 256, N % 64 == 0), or
-    'auto' (wgmma where it runs and is the faster GEMM at this many rows, else triton on CUDA, reference
-    elsewhere). check: refuse NaN/Inf in x (a host sync; pass False inside CUDA-graph capture). Nothing
-    else syncs with the host on the Triton path. recipe: the activations' NVFP4 variant (None: plain NVFP4;
-    the weights carry theirs in their codes and scales).
+    (the expert GEMMs on the Gluon Hopper kernel instead: sm_90, K % 128 == 0, K >= 256, N % 64 == 0), 'mma'
+    (on the decode-size Gluon kernel: sm_80+, K % 128 == 0, N % 64 == 0), or 'auto' (on CUDA the GEMM
+    gemm_impl picks for this many rows, reference elsewhere). check: refuse NaN/Inf in x (a host sync; pass
+    False inside CUDA-graph capture). Nothing else syncs with the host on the kernel paths. recipe: the
+    activations' NVFP4 variant (None: plain NVFP4; the weights carry theirs in their codes and scales).
     """
     if x.dim() != 2 or x.shape[1] != weights.hidden:
         raise ValueError(f"hidden states must be [T, {weights.hidden}], got {tuple(x.shape)}")
@@ -175,14 +175,15 @@ def moe_w4a4(
             f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} must both be [T={x.shape[0]}, k]"
         )
     if impl == "auto":
-        rows = topk_ids.numel()
-        impl = ("wgmma" if hopper_gemm_usable(x.device, weights, rows) else "triton") if x.is_cuda else "reference"
-    if impl not in ("reference", "triton", "wgmma"):
-        raise ValueError(f"impl must be 'auto', 'reference', 'triton' or 'wgmma', got {impl!r}")
+        impl = gemm_impl(x.device, weights, topk_ids.numel()) if x.is_cuda else "reference"
+    if impl not in ("reference", "triton", "wgmma", "mma"):
+        raise ValueError(f"impl must be 'auto', 'reference', 'triton', 'wgmma' or 'mma', got {impl!r}")
     if impl == "wgmma" and not hopper_gemm_usable(x.device, weights):
         raise ValueError(
             "impl='wgmma' needs an sm_90 GPU, H and I multiples of 128 and >= 256, and a Triton with Gluon"
         )
+    if impl == "mma" and not mma_gemm_usable(x.device, weights):
+        raise ValueError("impl='mma' needs a CUDA GPU (sm_80+), H and I multiples of 128, and a Triton with Gluon")
     check_activation(activation)  # before any work, on both paths
     if x.shape[0] == 0:  # idle batch (e.g. data-parallel attention ranks without tokens)
         return torch.empty_like(x)
@@ -200,8 +201,7 @@ def moe_w4a4(
     else:
         order, offs, valid = route(topk_ids, weights.num_experts)
         tokens, pos = order // topk_ids.shape[1], None
-    wgmma = impl == "wgmma"
-    y2 = _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, wgmma, recipe)
+    y2 = _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, impl, recipe)
     return combine_kernel.combine(y2, order, topk_ids, topk_weights, weights.num_experts, x.dtype, pos)
 
 
@@ -234,22 +234,58 @@ def hopper_gemm_usable(device: torch.device, weights: ExpertWeights, rows: int |
     return usable and (rows is None or wgmma_faster_than_triton(rows, device))
 
 
-def _gemm_config(rows: int, n: int, k: int, wgmma: bool, out_dtype: torch.dtype, device: torch.device):
-    """The tuned tiles of an expert GEMM at this many grouped rows: (config, row-tile height)."""
+def mma_gemm_usable(device: torch.device, weights: ExpertWeights, rows: int | None = None) -> bool:
+    """Whether both expert GEMMs can run on the decode-size Gluon kernel (kernels/gemm_mma_launch.py) here;
+    with rows (tokens * top-k), also whether impl='auto' takes it there (tile_configs.mma_used)."""
+    if device.type != "cuda":
+        return False
+    try:
+        from quads_megatron.kernels import gemm_mma_launch
+    except ImportError:  # a Triton without Gluon
+        return False
+    from quads_megatron.kernels.tile_configs import mma_used
+
+    h, i = weights.hidden, weights.intermediate
+    usable = gemm_mma_launch.usable(device, 2 * i, h) and gemm_mma_launch.usable(device, h, i)
+    return usable and (rows is None or mma_used(rows, device))
+
+
+def gemm_impl(device: torch.device, weights: ExpertWeights, rows: int) -> str:
+    """The expert GEMMs impl='auto' runs on a GPU at this many grouped rows: 'mma' (decode sizes, where
+    tuned), 'wgmma' (where it is the faster one), else 'triton'."""
+    if mma_gemm_usable(device, weights, rows):
+        return "mma"
+    return "wgmma" if hopper_gemm_usable(device, weights, rows) else "triton"
+
+
+def _gemm_config(rows: int, n: int, k: int, gemm: str, out_dtype: torch.dtype, device: torch.device):
+    """The tuned tiles of an expert GEMM ('triton', 'wgmma', 'mma') at this many grouped rows: (config,
+    row-tile height)."""
     from quads_megatron.kernels import tile_configs
 
-    if wgmma:
+    if gemm == "wgmma":
         cfg = tile_configs.wgmma_config(rows, n, out_dtype, device, k=k)
+        return cfg, cfg.block_t
+    if gemm == "mma":
+        cfg = tile_configs.mma_config(rows, k, device)
         return cfg, cfg.block_t
     cfg = tile_configs.triton_gemm_config(rows, k, device)
     return cfg, cfg.block_m
 
 
 def _expert_gemm(op, offs, codes, scales, sdec, out_dtype, config, a_rows=None, tiles=None):
+    from quads_megatron.kernels.tile_configs import MmaConfig
+
     if op.order == "wgmma":
         from quads_megatron.kernels import gemm_wgmma_launch
 
         return gemm_wgmma_launch.grouped_w4a4_wgmma(
+            op.values, op.global_decode, offs, codes, scales, sdec, out_dtype, a_rows, config, tiles
+        )
+    if isinstance(config, MmaConfig):
+        from quads_megatron.kernels import gemm_mma_launch
+
+        return gemm_mma_launch.grouped_w4a4_mma(
             op.values, op.global_decode, offs, codes, scales, sdec, out_dtype, a_rows, config, tiles
         )
     from quads_megatron.kernels import gemm_triton
@@ -268,16 +304,17 @@ def _gemm_operand(a, g: GemmRAC, amax, order: str, recipe, **kw):
     )
 
 
-def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, wgmma, recipe):
+def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, gemm, recipe):
     """fc1 reads the per-token operand through the grouped rows' token index (no gathered copy);
     SiLU(gate) * up and the foreign-row mask are fused into fc2's activation quantization. fc1's
     quantization launch also writes the GEMMs' row-tile table, shared by fc2 where its tiles are as
-    tall (no launch of its own). wgmma: operands in the Gluon kernel's order, GEMMs on it."""
+    tall (no launch of its own). gemm: 'triton', 'mma' (both read the "pairs" operand) or 'wgmma'
+    (operands in the Gluon Hopper kernel's order)."""
     g1, g2 = rac.fc1, rac.fc2
-    order = "wgmma" if wgmma else "pairs"
+    order = "wgmma" if gemm == "wgmma" else "pairs"
     rows, h, i = tokens.numel(), weights.hidden, weights.intermediate
-    cfg1, bt1 = _gemm_config(rows, 2 * i, h, wgmma, x.dtype, x.device)
-    cfg2, bt2 = _gemm_config(rows, h, i, wgmma, x.dtype, x.device)
+    cfg1, bt1 = _gemm_config(rows, 2 * i, h, gemm, x.dtype, x.device)
+    cfg2, bt2 = _gemm_config(rows, h, i, gemm, x.dtype, x.device)
 
     op = _gemm_operand(x, g1, static_amax[0], order, recipe, check=check, row_tiles=(offs, bt1, rows))  # per token
     w13 = (weights.w13_codes, weights.w13_scales, weights.w13_sdec)

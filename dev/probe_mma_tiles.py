@@ -1,0 +1,142 @@
+"""Device probe: tiles of the decode-size Gluon GEMM (kernels/gemm_mma.py) on Qwen3-30B-A3B's fc1 and fc2,
+per token count, against the GEMM moe_w4a4(impl='auto') ran there without it (Triton, or the Gluon wgmma
+kernel where that one is the faster), on the same inputs; every tile's output checked against the Triton GEMM.
+
+python dev/probe_mma_tiles.py [--tokens 16,32,64,128,256] [--budget-s 300] [--write-config]
+(CUDA GPU; CUDA-graph replay medians; fc1 reads its operand by token as moe_w4a4 runs it, fc2 one row per
+grouped row)
+--write-config: the winning tile of each rule into configs/mma_gemm.json under this GPU's name
+(dev/tile_writer.py), and used_up_to_rows: the largest probed row count up to which the best tiles' fc1 + fc2
+beat the other GEMMs' at every probed count (0 where they lose at the first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+import triton.testing
+
+from quads_megatron.kernels import act_quant, gemm_mma_launch, gemm_triton, tile_configs
+from quads_megatron.kernels.tile_configs import MmaConfig
+
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+from probe_wgmma_tiles import HIDDEN, INTER, expert_weights, fc1_rows  # noqa: E402
+from tile_writer import CONFIGS, current_first, dumps_table, write_config  # noqa: E402
+
+FIELDS = ("block_t", "num_warps", "row_groups", "chunks")
+
+
+def candidates() -> list[dict]:
+    return [dict(zip(FIELDS, t, strict=True)) for t in itertools.product((8, 16), (4, 8), (1, 2), (1, 2))]
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+
+
+def baseline(rows: int, op_pairs, op_wgmma, offs, tok, w) -> tuple[str, float]:
+    """The GEMM auto ran here before the decode-size one, and its time (us)."""
+    from quads_megatron.kernels import gemm_wgmma_launch
+
+    if tile_configs.wgmma_faster_than_triton(rows, "cuda") and gemm_wgmma_launch.usable(w[0].device, *_nk(w)):
+        vals, dec = op_wgmma.values, op_wgmma.global_decode
+        return "wgmma", bench(lambda: gemm_wgmma_launch.grouped_w4a4_wgmma(vals, dec, offs, *w, a_rows=tok))
+    return "triton", bench(lambda: gemm_triton.grouped_w4a4(op_pairs, offs, *w, a_rows=tok))
+
+
+def _nk(w) -> tuple[int, int]:
+    return w[0].shape[1], w[0].shape[2] * 2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="16,32,64,128,256")
+    ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--write-config", action="store_true", help="write the winners into configs/mma_gemm.json")
+    args = ap.parse_args()
+    t0 = time.time()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gemms = {}
+    for name, (n, k) in (("fc1", (2 * INTER, HIDDEN)), ("fc2", (HIDDEN, INTER))):
+        gemms[name] = (n, k, expert_weights(g, n, k)[1])
+    runs = []  # (rule, rows, tile, us) for --write-config
+    wins = []  # (rows, best mma fc1 + fc2, baseline fc1 + fc2)
+    all_ok = True
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        offs, tok, rows = fc1_rows(tokens, g)
+        total_best, total_base = 0.0, 0.0
+        for name, (n, k, w) in gemms.items():
+            a_rows = tok if name == "fc1" else None
+            x = (
+                torch.randn(tokens if a_rows is not None else rows, k, generator=g, device="cuda")
+                * torch.exp(torch.randn(k, generator=g, device="cuda"))
+            ).bfloat16()
+            pairs = act_quant.activation_operand(x)
+            wg = act_quant.activation_operand(x, order="wgmma")
+            want = gemm_triton.grouped_w4a4(pairs, offs, *w, a_rows=a_rows).float()[:rows]
+            kind, base_us = baseline(rows, pairs, wg, offs, a_rows, w)
+            rule, current = tile_configs.match_rule("mma_gemm", "cuda", rows=rows, k=k)
+            res = []
+            for tile in current_first(current["tile"], candidates()):
+                if time.time() - t0 > args.budget_s:
+                    print("budget spent; sweep cut short", flush=True)
+                    break
+                cfg = MmaConfig(**tile)
+                if n % (16 * cfg.num_warps * cfg.row_groups):
+                    continue
+
+                def fn(cfg=cfg):
+                    return gemm_mma_launch.grouped_w4a4_mma(
+                        pairs.values, pairs.global_decode, offs, *w, a_rows=a_rows, config=cfg
+                    )
+
+                got = fn().float()[:rows]
+                ok = torch.allclose(got, want, rtol=1e-2, atol=1e-3 * want.abs().max().item())
+                all_ok &= ok
+                if not ok:
+                    print(f"{name} tokens {tokens} tile {tile}: WRONG OUTPUT", flush=True)
+                    continue
+                us = bench(fn)
+                res.append((us, tile))
+                runs.append((rule, rows, tile, us))
+            res.sort(key=lambda r: r[0])
+            best = res[0][0] if res else float("nan")
+            total_best += best
+            total_base += base_us
+            print(
+                f"{name} tokens {tokens} rows {rows}: {kind} {base_us:.1f} us; mma best {best:.1f} us "
+                f"({base_us / best:.2f}x); "
+                + "; ".join(f"{u:.1f} {'/'.join(str(t[f]) for f in FIELDS)}" for u, t in res[:5]),
+                flush=True,
+            )
+        wins.append((rows, total_best, total_base))
+        print(f"tokens {tokens}: fc1 + fc2 mma {total_best:.1f} us vs {total_base:.1f} us", flush=True)
+    print("every mma output matches the Triton GEMM:", all_ok, flush=True)
+    if args.write_config and all_ok:
+        path = write_config("mma_gemm", runs)
+        used = 0
+        for rows, best, base in sorted(wins):
+            if not best < base:
+                break
+            used = rows
+        with open(path) as f:
+            table = json.load(f)
+        key = tile_configs.device_key(torch.device("cuda"))
+        table["devices"][key]["used_up_to_rows"] = used
+        tile_configs.check_table("mma_gemm", table, path)
+        with open(path, "w") as f:
+            f.write(dumps_table(table) + "\n")
+        tile_configs.load_table.cache_clear()
+        print(f"used_up_to_rows {used} written: {path}", flush=True)
+        assert os.path.dirname(path) == os.path.normpath(CONFIGS)
+        print("moe_w4a4(impl='auto') at 16 tokens now runs:", tile_configs.mma_used(128, "cuda"), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Decode-size grouped W4A4 GEMM in Gluon (sm_80+): registers only, no shared memory, no barriers.
+
+The product is computed transposed, y^T[n, row] = W_e[n, :] . A[row, :], on mma.sync m16n8k16: the
+decoded weights are the A operand (16 weight rows per instruction), the few token rows of an expert
+at decode sizes its N (8 per instruction). Each thread loads its operands from global memory straight
+into the registers mma.sync reads: 16 contiguous code bytes (two scale blocks) of weight rows g and
+g+8 of its warp's 16 rows (lane = 4g + t, bytes 16t..16t+15 of a 128-element chunk), and, for token
+row g, the same 32 elements of the "pairs" activation operand (16 even, 16 odd: two 32-byte pieces).
+Which register meets which k slot is a permutation of K inside each chunk, the same for both
+operands (the decode's output order, as in gemm_wgmma), so nothing moves between threads. Code,
+scale and activation loads of the next KC chunks are issued before the current ones are decoded
+(a register pipeline). Every CTA reads its tile from a row-tile table (row_tiles.RowTiles).
+
+Why: at decode an expert has 1-8 rows, so the GEMM is a stream of FP4 bytes through the decode;
+what bounds it is instructions per weight (decode, scale, loads, MMA), not tensor throughput.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from quads_megatron.kernels.fp4_device import PTX_HI, PTX_LO
+
+CHUNK_K = 128  # K elements per chunk (64 code bytes per weight row, 16 per thread)
+CHUNK = gl.constexpr(CHUNK_K)  # the same, for the kernel
+# A chunk's element of code byte 16t + 4w + q (q = 2 q1 + q0) of a weight row, nibble s, and pair 16t + 4w + q
+# of half s of an activation row, meet in k slot (w1 w0 s q1 t1 t0 q0) of the chunk's 8 m16n8k16 MMAs (slot
+# bits w1 w0 s: which MMA; q1 t1 t0 q0: its k), which is where mma.sync's A and B fragments hold them for
+# lane 4g + t. These permute the decoded weights [n, t1, t0, w1, w0, q1, q0, s] and the activations [row, s,
+# t1, t0, w1, w0, q1, q0] into that order ([n | row last], w1, w0, s, q1, t1, t0, q0).
+W_PERM = gl.constexpr((0, 3, 4, 7, 5, 1, 2, 6))
+X_PERM = gl.constexpr((4, 5, 1, 6, 2, 3, 7, 0))
+
+
+def codes_layout(num_warps: int, row_groups: int) -> gl.DistributedLinearLayout:
+    """Code bytes of one chunk as [rows, 8 scale blocks, 8 bytes]: a thread holds 16 contiguous bytes (two
+    blocks) of rows g and g+8 of each of its warp's 16-row groups (lane = 4g + t, bytes 16t..16t+15);
+    warp w owns rows 16w.. (mma.sync's A operand), row groups repeat every 16 * num_warps rows."""
+    rows = 16 * num_warps
+    regs = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [8, 0, 0]]
+    regs += [[rows << i, 0, 0] for i in range(row_groups.bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=regs,
+        lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16 << i, 0, 0] for i in range(num_warps.bit_length() - 1)],
+        block_bases=[],
+        shape=[rows * row_groups, 8, 8],
+    )
+
+
+def codes16_layout(num_warps: int, row_groups: int) -> gl.DistributedLinearLayout:
+    """codes_layout as loaded, [rows, 4 (t), 16 bytes]: each thread's 16 bytes of a row one access."""
+    rows = 16 * num_warps
+    regs = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]]
+    regs += [[rows << i, 0, 0] for i in range(row_groups.bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=regs,
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16 << i, 0, 0] for i in range(num_warps.bit_length() - 1)],
+        block_bases=[],
+        shape=[rows * row_groups, 4, 16],
+    )
+
+
+def activation_layout(num_warps: int, block_t: int) -> gl.DistributedLinearLayout:
+    """One chunk of the "pairs" operand as [rows, 2 (even | odd), 64 pairs]: a thread holds pairs
+    16t..16t+15 of both halves of token row g (and g+8 with 16 rows); every warp holds all rows."""
+    regs = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0]]
+    regs += [[8 << i, 0, 0] for i in range((block_t // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=regs,
+        lane_bases=[[0, 0, 16], [0, 0, 32], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[0, 0, 0] for _ in range(num_warps.bit_length() - 1)],
+        block_bases=[],
+        shape=[block_t, 2, 64],
+    )
+
+
+@gluon.jit
+def _wait_then_release(PDL: gl.constexpr):
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+
+@gluon.jit
+def _weights(c, sc, BN: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """Code bytes u8 [BN, 8, 8], scale bytes u8 [BN, 8] of a chunk -> fp16 [BN, 128] value * s_b * 2^-7 in
+    mma's A layout, K in the decode's order (logical slot bits w1 w0 s q1 t1 t0 q0 of the code byte
+    16t + 4w + q of a row and nibble s): exact, and no data movement (asserted)."""
+    s16 = gl.expand_dims(sc.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0, 2)
+    lo = gl.inline_asm_elementwise(PTX_LO, "=r,=r,r", [c], dtype=gl.float16, is_pure=True, pack=4) * s16
+    hi = gl.inline_asm_elementwise(PTX_HI, "=r,=r,r", [c], dtype=gl.float16, is_pure=True, pack=4) * s16
+    v = gl.reshape(gl.join(lo, hi), [BN, 2, 2, 2, 2, 2, 2, 2])  # n, t1, t0, w1, w0, q1, q0, s
+    v = gl.reshape(gl.permute(v, W_PERM.value), [BN, 128])  # n, w1, w0, s, q1, t1, t0, q0
+    return gl.convert_layout(v, A_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _activations(x, BT: gl.constexpr, B_LAYOUT: gl.constexpr):
+    """One chunk of the pairs operand, fp16 [BT, 2, 64] (pair p = 16t + 4w + q, half s) -> [128, BT] in
+    mma's B layout, K in the same order as _weights (no data movement: asserted)."""
+    v = gl.reshape(x, [BT, 2, 2, 2, 2, 2, 2, 2])  # row, s, t1, t0, w1, w0, q1, q0
+    v = gl.reshape(gl.permute(v, X_PERM.value), [128, BT])  # w1, w0, s, q1, t1, t0, q0, row
+    return gl.convert_layout(v, B_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def w4a4_mma_kernel(
+    a_ptr,
+    asdec_ptr,
+    w_ptr,
+    ws_ptr,
+    wsdec_ptr,
+    tmap_ptr,
+    arows_ptr,
+    y_ptr,
+    N,
+    wsdec_stride,
+    K: gl.constexpr,
+    HAS_AROWS: gl.constexpr,
+    BT: gl.constexpr,
+    NW: gl.constexpr,
+    RG: gl.constexpr,
+    KC: gl.constexpr,
+    CODES_LAYOUT: gl.constexpr,
+    X_LAYOUT: gl.constexpr,
+    C16_LAYOUT: gl.constexpr,
+    PDL: gl.constexpr,
+):
+    _wait_then_release(PDL)
+    BN: gl.constexpr = 16 * NW * RG  # weight rows per CTA
+    NK: gl.constexpr = K // (CHUNK * KC)  # k-steps of KC chunks
+    pid = gl.program_id(1)  # N tiles vary fastest: a row tile's activations are re-read from L2, not HBM
+    e = gl.load(tmap_ptr + pid * 4)
+    if e < 0:
+        return
+    t0 = gl.load(tmap_ptr + pid * 4 + 1)
+    row_end = gl.load(tmap_ptr + pid * 4 + 2)
+    n0 = gl.program_id(0) * BN
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    cl: gl.constexpr = C16_LAYOUT  # the code bytes as loaded, [BN, 4, 16]
+    xl: gl.constexpr = X_LAYOUT  # activation_layout(NW, BT)
+
+    # per thread: 16 contiguous code bytes of each of its rows ([BN, 4, 16] loads, one 16-byte access each),
+    # their 2 scale bytes, and 16 + 16 pairs of each of its token rows (rows past the expert read as 0)
+    cr = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, cl)))
+    ct = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, cl)))
+    cq = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, cl)))
+    wrow = (e * N + n0 + cr).to(gl.int64)
+    c_ptrs = w_ptr + (wrow * (K // 2))[:, None, None] + (ct * 16)[None, :, None] + cq[None, None, :]
+    sl: gl.constexpr = gl.SliceLayout(2, CODES_LAYOUT)
+    sr = gl.arange(0, BN, layout=gl.SliceLayout(1, sl))
+    sb = gl.arange(0, 8, layout=gl.SliceLayout(0, sl))
+    s_ptrs = ws_ptr + ((e * N + n0 + sr).to(gl.int64) * (K // 16))[:, None] + sb[None, :]
+    xr = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl)))
+    xs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, xl)))
+    xp = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
+    xr = gl.where(xr < row_end, xr, t0)  # rows past the expert read its first row: columns never stored
+    if HAS_AROWS:
+        tok = gl.load(arows_ptr + xr).to(gl.int64)
+    else:
+        tok = xr.to(gl.int64)
+    x_ptrs = a_ptr + (tok * K)[:, None, None] + (xs * (K // 2))[None, :, None] + xp[None, None, :]
+
+    acc = gl.zeros([BN, BT], gl.float32, layout=mma)
+    for j in range(NK):
+        for ch in gl.static_range(KC):  # every load of the step first, then decode and MMA
+            cc = j * KC + ch
+            c = gl.convert_layout(gl.reshape(gl.load(c_ptrs + cc * 64), [BN, 8, 8]), CODES_LAYOUT, assert_trivial=True)
+            s = gl.load(s_ptrs + cc * 8)
+            x = gl.load(x_ptrs + cc * 64)
+            acc = mma_v2(_weights(c, s, BN, a_layout), _activations(x, BT, b_layout), acc)
+
+    # epilogue: y[t0 + col, n0 + row] = acc * 2^14 * S_dec_a[token] * S_dec_w[e], rows past the expert masked
+    orow = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    ocol = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
+    omask = ocol < row_end
+    if HAS_AROWS:
+        otok = gl.load(arows_ptr + ocol, mask=omask, other=0).to(gl.int64)
+    else:
+        otok = ocol.to(gl.int64)
+    sa = gl.load(asdec_ptr + otok, mask=omask, other=0.0)
+    sw = gl.load(wsdec_ptr + e * wsdec_stride)
+    y = ((acc * 16384.0) * sa[None, :] * sw).to(y_ptr.dtype.element_ty)
+    gl.store(y_ptr + ocol.to(gl.int64)[None, :] * N + orow[:, None], y, mask=omask[None, :])
