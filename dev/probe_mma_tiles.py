@@ -29,11 +29,12 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 from probe_wgmma_tiles import HIDDEN, INTER, expert_weights, fc1_rows  # noqa: E402
 from tile_writer import CONFIGS, current_first, dumps_table, write_config  # noqa: E402
 
-FIELDS = ("block_t", "num_warps", "row_groups", "chunks")
+FIELDS = ("block_t", "num_warps", "row_groups", "chunks", "prefetch")
 
 
 def candidates() -> list[dict]:
-    return [dict(zip(FIELDS, t, strict=True)) for t in itertools.product((8, 16), (4, 8), (1, 2), (1, 2))]
+    grid = itertools.product((8, 16), (4, 8), (1, 2), (1, 2), (False, True))
+    return [dict(zip(FIELDS, t, strict=True)) for t in grid if not (t[4] and t[3] == 2)]  # prefetch: 1 chunk
 
 
 def bench(fn) -> float:

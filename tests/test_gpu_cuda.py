@@ -354,9 +354,10 @@ def test_mma_gemm_matches_the_triton_gemm(layer):
             cfg = TritonGemmConfig(block_m=16, block_n=64)
             for dtype in (torch.float32, torch.bfloat16):
                 want = gemm_triton.grouped_w4a4(op, offs, *w, out_dtype=dtype, config=cfg, a_rows=a_rows)[:rows]
-                for bt, nw, rg, kc in [(8, 4, 1, 1), (8, 4, 1, 2), (8, 4, 2, 2), (8, 8, 1, 2), (16, 4, 1, 1),
-                                       (16, 4, 2, 2), (16, 8, 2, 1)]:  # fmt: skip
-                    kw = MmaConfig(block_t=bt, num_warps=nw, row_groups=rg, chunks=kc)
+                for bt, nw, rg, kc, pf in [(8, 4, 1, 1, 0), (8, 4, 1, 2, 0), (8, 4, 2, 2, 0), (8, 8, 1, 2, 0),
+                                           (16, 4, 1, 1, 0), (16, 4, 2, 2, 0), (16, 8, 2, 1, 0), (8, 4, 2, 1, 1),
+                                           (16, 8, 1, 1, 1)]:  # fmt: skip
+                    kw = MmaConfig(block_t=bt, num_warps=nw, row_groups=rg, chunks=kc, prefetch=bool(pf))
                     got = mm.grouped_w4a4_mma(op.values, op.global_decode, offs, *w, dtype, a_rows, config=kw)
                     assert got.dtype == dtype
                     got, ref = got[:rows].float(), want.float()

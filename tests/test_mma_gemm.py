@@ -46,7 +46,9 @@ def test_weights_and_activations_meet_in_the_same_k_slot():
         assert set((k_w[slots] // 32).tolist()) == {t}
 
 
-EXTRA_TILES = [(8, 4, 1, 1), (8, 8, 2, 2), (16, 4, 1, 2), (16, 8, 1, 1)]  # (block_t, num_warps, row_groups, chunks)
+# (block_t, num_warps, row_groups, chunks, prefetch)
+EXTRA_TILES = [(8, 4, 1, 1, False), (8, 8, 2, 2, False), (16, 4, 1, 2, False), (16, 8, 1, 1, False), (8, 4, 2, 1, True),
+               (16, 4, 1, 1, True)]  # fmt: skip
 
 
 def shipped_and_extra_tiles() -> list[MmaConfig]:
@@ -70,13 +72,15 @@ def test_kernel_compiles_for_sm90_streaming_registers_only(k):
     assert len(reports) == len(tiles)
     for t, r in zip(tiles, reports, strict=True):
         assert r["chunks"] == mm.fit_tile(t, 16 * t.num_warps * t.row_groups, k)
-        # 8 m16n8k16 per 128-K chunk, row group and 8 token rows
-        assert r["hmma_shape"] == ["16816"] and r["loop_hmma"] == 8 * r["chunks"] * t.row_groups * t.block_t // 8, r
+        # 8 m16n8k16 per 128-K chunk, row group and 8 token rows (prefetch: one chunk per loop step)
+        chunks = 1 if t.prefetch else r["chunks"]
+        assert r["hmma_shape"] == ["16816"] and r["loop_hmma"] == 8 * chunks * t.row_groups * t.block_t // 8, r
         # code bytes and activations arrive by 16-byte loads (scale bytes by 2), straight into registers
         assert r["loop_loads"] == ["128", "U16"] and r["loop_shared"] == 0 and r["smem"] == 0, r
         assert r["spills"] == 0, r
         # decode (11 per 8 weights), scale (1 per 2), loads, MMAs and the loop: under 3 instructions a weight
-        assert r["per_weight"] < 2.8, r
+        # (the Triton and Gluon wgmma GEMMs: 3.6); a register pipeline adds moves at 16 token rows
+        assert r["per_weight"] < (3.2 if t.prefetch and t.block_t == 16 else 2.8), r
 
 
 def test_every_tuned_tile_runs_where_its_rule_picks_it():

@@ -64,6 +64,20 @@ def codes16_layout(num_warps: int, row_groups: int) -> gl.DistributedLinearLayou
     )
 
 
+def words_layout(num_warps: int, row_groups: int) -> gl.DistributedLinearLayout:
+    """codes16_layout as 4-byte words, [rows, 4 (t), 4 words]."""
+    rows = 16 * num_warps
+    regs = [[0, 0, 1], [0, 0, 2], [8, 0, 0]]
+    regs += [[rows << i, 0, 0] for i in range(row_groups.bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=regs,
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16 << i, 0, 0] for i in range(num_warps.bit_length() - 1)],
+        block_bases=[],
+        shape=[rows * row_groups, 4, 4],
+    )
+
+
 def activation_layout(num_warps: int, block_t: int) -> gl.DistributedLinearLayout:
     """One chunk of the "pairs" operand as [rows, 2 (even | odd), 64 pairs]: a thread holds pairs
     16t..16t+15 of both halves of token row g (and g+8 with 16 rows); every warp holds all rows."""
@@ -110,6 +124,17 @@ def _activations(x, BT: gl.constexpr, B_LAYOUT: gl.constexpr):
 
 
 @gluon.jit
+def _bytes(w):
+    """int32 words [BN, 4, 4] -> their bytes u8 [BN, 4, 16], little-endian."""
+    b0 = (w & 255).to(gl.uint8)
+    b1 = ((w >> 8) & 255).to(gl.uint8)
+    b2 = ((w >> 16) & 255).to(gl.uint8)
+    b3 = ((w >> 24) & 255).to(gl.uint8)
+    v = gl.join(gl.join(b0, b2), gl.join(b1, b3))  # [BN, 4, 4, b0|b2, (b0|b2)|(b1|b3)]: byte j at 2 (j // 2) + j % 2
+    return gl.reshape(v, [w.shape[0], 4, 16])
+
+
+@gluon.jit
 def w4a4_mma_kernel(
     a_ptr,
     asdec_ptr,
@@ -130,6 +155,8 @@ def w4a4_mma_kernel(
     CODES_LAYOUT: gl.constexpr,
     X_LAYOUT: gl.constexpr,
     C16_LAYOUT: gl.constexpr,
+    PREFETCH: gl.constexpr,
+    WORDS_LAYOUT: gl.constexpr,
     PDL: gl.constexpr,
 ):
     _wait_then_release(PDL)
@@ -171,13 +198,36 @@ def w4a4_mma_kernel(
     x_ptrs = a_ptr + (tok * K)[:, None, None] + (xs * (K // 2))[None, :, None] + xp[None, None, :]
 
     acc = gl.zeros([BN, BT], gl.float32, layout=mma)
-    for j in range(NK):
-        for ch in gl.static_range(KC):  # every load of the step first, then decode and MMA
-            cc = j * KC + ch
-            c = gl.convert_layout(gl.reshape(gl.load(c_ptrs + cc * 64), [BN, 8, 8]), CODES_LAYOUT, assert_trivial=True)
-            s = gl.load(s_ptrs + cc * 8)
-            x = gl.load(x_ptrs + cc * 64)
+    if PREFETCH:  # the next chunk's loads in flight under this one's decode; codes carried as int32 words
+        wl: gl.constexpr = WORDS_LAYOUT
+        wr2 = (e * N + n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))).to(gl.int64)
+        wt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
+        ww = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
+        w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        cw_ptrs = w32 + (wr2 * (K // 8))[:, None, None] + (wt * 4)[None, :, None] + ww[None, None, :]
+        cw = gl.load(cw_ptrs)
+        s = gl.load(s_ptrs)
+        x = gl.load(x_ptrs)
+        for j in range(NK * KC):
+            nj = gl.minimum(j + 1, NK * KC - 1)  # the last chunk reloads itself
+            cw_n = gl.load(cw_ptrs + nj * 16)
+            s_n = gl.load(s_ptrs + nj * 8)
+            x_n = gl.load(x_ptrs + nj * 64)
+            c16 = gl.convert_layout(_bytes(cw), C16_LAYOUT, assert_trivial=True)
+            c = gl.convert_layout(gl.reshape(c16, [BN, 8, 8]), CODES_LAYOUT, assert_trivial=True)
             acc = mma_v2(_weights(c, s, BN, a_layout), _activations(x, BT, b_layout), acc)
+            cw = cw_n
+            s = s_n
+            x = x_n
+    else:
+        for j in range(NK):
+            for ch in gl.static_range(KC):  # every load of the step first, then decode and MMA
+                cc = j * KC + ch
+                c = gl.reshape(gl.load(c_ptrs + cc * 64), [BN, 8, 8])
+                c = gl.convert_layout(c, CODES_LAYOUT, assert_trivial=True)
+                s = gl.load(s_ptrs + cc * 8)
+                x = gl.load(x_ptrs + cc * 64)
+                acc = mma_v2(_weights(c, s, BN, a_layout), _activations(x, BT, b_layout), acc)
 
     # epilogue: y[t0 + col, n0 + row] = acc * 2^14 * S_dec_a[token] * S_dec_w[e], rows past the expert masked
     orow = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))

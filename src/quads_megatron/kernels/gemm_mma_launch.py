@@ -10,7 +10,14 @@ import torch
 
 from quads_megatron.errors import KernelConfigError
 from quads_megatron.kernels import pdl
-from quads_megatron.kernels.gemm_mma import CHUNK_K, activation_layout, codes16_layout, codes_layout, w4a4_mma_kernel
+from quads_megatron.kernels.gemm_mma import (
+    CHUNK_K,
+    activation_layout,
+    codes16_layout,
+    codes_layout,
+    w4a4_mma_kernel,
+    words_layout,
+)
 from quads_megatron.kernels.row_tiles import RowTiles, gemm_row_tiles, grouped_rows
 from quads_megatron.kernels.tile_configs import MmaConfig, mma_config
 
@@ -95,6 +102,8 @@ def grouped_w4a4_mma(
         CODES_LAYOUT=codes_layout(nw, rg),
         X_LAYOUT=activation_layout(nw, cfg.block_t),
         C16_LAYOUT=codes16_layout(nw, rg),
+        PREFETCH=cfg.prefetch,
+        WORDS_LAYOUT=words_layout(nw, rg),
         num_warps=nw,
         **pdl.launch_options(dev),
     )

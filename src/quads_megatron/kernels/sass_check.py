@@ -304,6 +304,8 @@ def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False) -> dict:
         CODES_LAYOUT=dev.codes_layout(t.num_warps, t.row_groups),
         X_LAYOUT=dev.activation_layout(t.num_warps, t.block_t),
         C16_LAYOUT=dev.codes16_layout(t.num_warps, t.row_groups),
+        PREFETCH=t.prefetch,
+        WORDS_LAYOUT=dev.words_layout(t.num_warps, t.row_groups),
     )
     signature = {**_SIGNATURE, **dict.fromkeys(consts, "constexpr")}
     aligned = [i for i, name in enumerate(signature) if name.endswith("_ptr") or name == "N"]
@@ -316,7 +318,7 @@ def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False) -> dict:
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.num_warps))
     lines = disassemble(compiled.asm["cubin"]).splitlines()
     loop = _k_loop(lines, r"HMMA")
-    weights_per_thread = 16 * t.row_groups * 128 * chunks // 32
+    weights_per_thread = 16 * t.row_groups * 128 * (1 if t.prefetch else chunks) // 32
     return {
         "hmma_shape": sorted(set(re.findall(r"HMMA\.(\d+)\.F32", "\n".join(lines)))),
         "loop_hmma": sum(1 for ln in loop if "HMMA" in ln),

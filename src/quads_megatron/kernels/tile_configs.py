@@ -133,15 +133,19 @@ class WgmmaConfig:
 class MmaConfig:
     """Tiles of the decode-size Gluon GEMM (gemm_mma_launch.grouped_w4a4_mma): block_t token rows per tile
     (mma.sync's N, 8 or 16), num_warps warps of row_groups x 16 weight rows each, chunks 128-K chunks
-    loaded per k-step (fewer where K's chunks do not divide by it)."""
+    loaded per k-step (fewer where K's chunks do not divide by it); prefetch: instead, one chunk per step
+    with the next chunk's loads issued before this one's decode (a register pipeline)."""
 
     block_t: int = 8
     num_warps: int = 4
     row_groups: int = 1
     chunks: int = 2
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         _check_ints(self, ("block_t", "num_warps", "row_groups", "chunks"))
+        if not isinstance(self.prefetch, bool):
+            raise KernelConfigError(f"MmaConfig.prefetch must be a bool, got {self.prefetch!r}")
         if self.block_t not in (8, 16):
             raise KernelConfigError(f"MmaConfig.block_t={self.block_t}: 8 or 16")
         if self.num_warps not in (4, 8) or self.row_groups not in (1, 2) or self.chunks not in (1, 2):
