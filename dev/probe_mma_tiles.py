@@ -113,7 +113,7 @@ def main() -> None:
             print(
                 f"{name} tokens {tokens} rows {rows}: {kind} {base_us:.1f} us; mma best {best:.1f} us "
                 f"({base_us / best:.2f}x); "
-                + "; ".join(f"{u:.1f} {'/'.join(str(t[f]) for f in FIELDS)}" for u, t in res[:5]),
+                + "; ".join(f"{u:.1f} {'/'.join(str(t.get(f, False)) for f in FIELDS)}" for u, t in res[:5]),
                 flush=True,
             )
         wins.append((rows, total_best, total_base))

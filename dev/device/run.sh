@@ -4,15 +4,15 @@
 #   bash dev/device/run.sh PART[:SECONDS] ...      parts: cuda te engine server sync block pieces gemm tiles
 #                                                   triton-tiles mma-tiles act-tiles engine-bench rl rl-smoke
 #                                                   rl-test cpu
-# tiles / triton-tiles / mma-tiles / act-tiles sweep the Gluon GEMM's, the Triton GEMM's, the decode-size Gluon
-# GEMM's and the activation quantization's tiles on this GPU (dev/probe_*_tiles.py --write-config; act-tiles: fc1's and fc2's gated quantization in
-# one sweep; arguments from TILES_ARGS, e.g. "--gemm fc2" for the GEMMs' fc2 rules, and ACT_TILES_ARGS) and,
-# when the sweep finished, copy the rewritten configs/*.json to $OUT. Each call starts from the checkout's
-# files: copy $OUT's json into src/quads_megatron/kernels/configs/ before a later call sweeps more (fc2 after
-# fc1), and commit them from there; with QUADS_FROM_TREE=1 the parts after a sweep in the same call use its
-# files (the package is imported from src/, where the sweep writes). A GEMM sweep of fc1 also moves fc2's rules that still hold the same tile
-# (dev/tile_writer.py); `--gemm fc2` then tunes fc2's own. The sweeps time tiles given explicitly; parts that
-# run later in the same call still use the installed (untuned) files.
+# tiles / triton-tiles / mma-tiles / act-tiles sweep the Gluon wgmma GEMM's, the Triton GEMM's, the decode-size
+# Gluon GEMM's and the activation quantization's tiles on this GPU (dev/probe_*_tiles.py --write-config; act-tiles:
+# fc1's and fc2's gated quantization in one sweep; arguments from TILES_ARGS, e.g. "--gemm fc2" for the GEMMs' fc2
+# rules, and ACT_TILES_ARGS) and, when the sweep finished, copy the rewritten configs/*.json to $OUT. Each call
+# starts from the checkout's files: copy $OUT's json into src/quads_megatron/kernels/configs/ before a later call
+# sweeps more (fc2 after fc1), and commit them from there. A GEMM sweep of fc1 also moves fc2's rules that still
+# hold the same tile (dev/tile_writer.py); `--gemm fc2` then tunes fc2's own (mma-tiles sweeps both). The sweeps
+# time tiles given explicitly; parts that run later in the same call use the installed (untuned) files, unless
+# QUADS_FROM_TREE=1: then quads_megatron is imported from this checkout's src/, where the sweeps write.
 # engine is the engine test without the README server command (~7.5 min), server that one alone (~4 min; needs
 # the sga carry's audio wheels). engine-bench, block and pieces take extra arguments from BENCH_ENGINE_ARGS,
 # BLOCK_ARGS and PIECES_ARGS. engine-bench's fp8_tuned arm serves the tuned SGLang configs block's tuned arms
@@ -32,6 +32,7 @@ set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/../.."   # the checkout: tests/ and benchmarks/ from here, quads_megatron from /tmp/site
 # QUADS_FROM_TREE=1: quads_megatron from this checkout's src/ (the tree this call carried), not the installed wheel
+# (code changed since the wheel was built runs without a new carry)
 [ "${QUADS_FROM_TREE:-0}" = 1 ] && export PYTHONPATH="$PWD/src:$PYTHONPATH"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 pt() { python3 -m pytest -q -rs -p no:cacheprovider -p no:warnings "$@"; }

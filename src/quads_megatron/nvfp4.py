@@ -343,10 +343,12 @@ def _four_over_six(
 
     The candidates' errors decode with amax / (6 * e4m3_max), as TE's reference does (not S_dec), and
     are summed element by element in order, so near-equal candidates are decided as TE decides them.
+    Both divisors are tensors on the blocks' device: PyTorch's CUDA division by a host scalar multiplies by
+    its reciprocal, which is not the correctly rounded quotient (the Triton twin's and the CPU's).
     """
-    base = torch.div(block_amax, E2M1_MAX) * s_enc
+    base = torch.div(block_amax, torch.full_like(block_amax, E2M1_MAX)) * s_enc
     amax_b = global_amax.float().unsqueeze(-1)  # [] -> [1], [..., 1] -> [..., 1, 1]: over the blocks' elements
-    denom = torch.tensor(recipe.global_scale_numerator, dtype=torch.float32)
+    denom = torch.full((), recipe.global_scale_numerator, dtype=torch.float32, device=blocks.device)
     candidates = []
     for scale in (e4m3_rne(base * 1.5), e4m3_rne(base)):  # map-to-4, map-to-6
         codes = _encode_blocks(blocks, scale, s_dec)
