@@ -33,8 +33,9 @@ FIELDS = ("block_t", "num_warps", "row_groups", "chunks", "prefetch")
 
 
 def candidates() -> list[dict]:
-    grid = itertools.product((8, 16), (4, 8), (1, 2), (1, 2), (False, True))
-    return [dict(zip(FIELDS, t, strict=True)) for t in grid if not (t[4] and t[3] == 2)]  # prefetch: 1 chunk
+    grid = itertools.product((8, 16), (4, 8), (1, 2), (1, 2, 4), (False, True))
+    keep = [t for t in grid if not (t[4] and t[3] > 1) and not (t[3] == 4 and (t[0] == 16 or t[2] == 2))]
+    return [dict(zip(FIELDS, t, strict=True)) for t in keep]  # prefetch: 1 chunk; 4 chunks: 8 rows, 1 group
 
 
 def bench(fn) -> float:

@@ -110,6 +110,7 @@ def test_lookups_give_their_dataclass_for_every_shape():
         (lambda: MmaConfig(num_warps=2), "num_warps=2"),
         (lambda: MmaConfig(row_groups=4), "row_groups=4"),
         (lambda: MmaConfig(chunks=3), "chunks=3"),
+        (lambda: MmaConfig(prefetch=1), "must be a bool"),
         (lambda: ActQuantConfig(block_m=3), "block_m=3"),
         (lambda: ActQuantConfig(block_k=48), "block_k=48"),
         (lambda: ActQuantConfig(num_warps=32), "num_warps=32"),

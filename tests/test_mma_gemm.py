@@ -48,7 +48,7 @@ def test_weights_and_activations_meet_in_the_same_k_slot():
 
 # (block_t, num_warps, row_groups, chunks, prefetch)
 EXTRA_TILES = [(8, 4, 1, 1, False), (8, 8, 2, 2, False), (16, 4, 1, 2, False), (16, 8, 1, 1, False), (8, 4, 2, 1, True),
-               (16, 4, 1, 1, True)]  # fmt: skip
+               (16, 4, 1, 1, True), (8, 4, 1, 4, False)]  # fmt: skip
 
 
 def shipped_and_extra_tiles() -> list[MmaConfig]:
@@ -84,26 +84,31 @@ def test_kernel_compiles_for_sm90_streaming_registers_only(k):
 
 
 def test_every_tuned_tile_runs_where_its_rule_picks_it():
-    """The data file's tile at every row bucket edge fits every N that is a multiple of 64 and K of 128
-    that the rule may see: N divides by its CTA's rows (else the host refuses the shape, and moe_block
-    does not pick the kernel: mma_gemm_usable), chunks per k-step divide K's chunks."""
+    """The data file's tile at every row bucket edge, as the host runs it (narrowed to N by fit_rows), fits every
+    N that is a multiple of 64 and K of 128 the rule may see: N divides by its CTA's rows, chunks per k-step
+    divide K's chunks."""
     table = tile_configs.load_table("mma_gemm")
-    for device, entry in table["devices"].items():
+    for entry in table["devices"].values():
         edges = sorted({r.get("max_rows", 0) for r in entry["rules"]} | {0})
         for rows in sorted({max(r + d, 0) for r in edges for d in (-1, 0, 1)} | {2 * edges[-1] + 1}):
             for k in (256, 384, 768, 1024, 2048, 7168):
                 rule = next(x for x in entry["rules"] if tile_configs.rule_holds(x, dict(rows=rows, k=k)))
-                cfg = MmaConfig(**rule["tile"])
-                for n in (128, 256, 1536, 2048, 4096):
+                for n in (64, 128, 192, 256, 1408, 1536, 2048, 4096):
+                    cfg = mm.fit_rows(MmaConfig(**rule["tile"]), n)
+                    assert cfg.block_t == rule["tile"]["block_t"]
                     chunks = mm.fit_tile(cfg, n, k)
-                    assert 1 <= chunks <= cfg.chunks and (k // 128) % chunks == 0, (device, rows, k, n)
+                    assert chunks in (1, 2, 4) and chunks <= cfg.chunks and (k // 128) % chunks == 0, (rows, k, n)
 
 
 def test_host_refuses_what_the_kernel_cannot_run():
     cfg = MmaConfig(block_t=8, num_warps=8, row_groups=2)  # 256 weight rows per CTA
     with pytest.raises(KernelConfigError, match="must divide N"):
-        mm.fit_tile(cfg, 1536 + 128, 2048)
+        mm.fit_tile(cfg, 1536 + 128, 2048)  # a tile given explicitly runs as it is
+    assert mm.fit_rows(cfg, 1536 + 128) == MmaConfig(block_t=8, num_warps=8, row_groups=1)  # a tuned one narrows
+    assert mm.fit_rows(cfg, 1536 + 64) == MmaConfig(block_t=8, num_warps=4, row_groups=1)
     assert mm.fit_tile(MmaConfig(chunks=2), 2048, 384) == 1  # 3 chunks: one per k-step
+    assert mm.fit_tile(MmaConfig(chunks=4), 2048, 768) == 2  # 6 chunks: 2 per k-step
+    assert mm.fit_tile(MmaConfig(chunks=4), 2048, 2048) == 4
     assert not mm.usable(torch.device("cpu"), 2048, 768)
     x = torch.randn(4, 256).bfloat16()
     w = (torch.zeros(2, 64, 128, dtype=torch.uint8), torch.zeros(2, 64, 16, dtype=torch.uint8), torch.ones(2))
@@ -137,6 +142,9 @@ def test_moe_block_picks_the_mma_gemm_where_the_data_says(monkeypatch):
     monkeypatch.setattr(moe_block, "hopper_gemm_usable", lambda device, w, rows=None: rows > 1024)
     assert [moe_block.gemm_impl(cuda, weights, r) for r in (128, 512, 1024, 2048)] == ["mma", "mma", "triton", "wgmma"]
     assert not moe_block.mma_gemm_usable(cuda, _expert_weights(4, 256, 96))  # fc2's K = 96: not a multiple of 128
+    entry["rules"] = [{"tile": {"block_t": 8, "num_warps": 8, "row_groups": 2}}]  # 256 weight rows per CTA
+    cfg, bt = moe_block._gemm_config(128, 2 * 704, 2048, "mma", torch.bfloat16, cuda)  # N = 1408: narrowed
+    assert (cfg.num_warps, cfg.row_groups, bt) == (8, 1, 8)
     with pytest.raises(ValueError, match="impl='mma' needs a CUDA GPU"):
         moe_block.moe_w4a4(torch.randn(2, 256).bfloat16(), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2),
                            weights, impl="mma")  # fmt: skip

@@ -1,4 +1,4 @@
-"""Decode-size grouped W4A4 GEMM in Gluon (sm_80+): registers only, no shared memory, no barriers.
+"""Decode-size grouped W4A4 GEMM in Gluon (sm_89+): registers only, no shared memory, no barriers.
 
 The product is computed transposed, y^T[n, row] = W_e[n, :] . A[row, :], on mma.sync m16n8k16: the
 decoded weights are the A operand (16 weight rows per instruction), the few token rows of an expert

@@ -4,6 +4,7 @@ against the shape and launches it."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -24,26 +25,34 @@ from quads_megatron.kernels.tile_configs import MmaConfig, mma_config
 
 @functools.cache
 def _capability_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 8
+    return torch.cuda.get_device_capability(index) >= (8, 9)  # the scale bytes' E4M3 -> fp16 cvt
 
 
 def usable(device: torch.device, n: int, k: int) -> bool:
-    """Whether this kernel can run for weights [N, K] on device: a CUDA GPU of sm_80 or later, K % 128 == 0,
+    """Whether this kernel can run for weights [N, K] on device: a CUDA GPU of sm_89 or later, K % 128 == 0,
     N % 64 == 0 (the smallest CTA: 4 warps of 16 weight rows)."""
     if device.type != "cuda" or k % CHUNK_K or n % 64:
         return False
     return _capability_ok(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def fit_rows(cfg: MmaConfig, n: int) -> MmaConfig:
+    """A tuned tile narrowed until its CTA's weight rows divide N (fewer row groups, then 4 warps; N % 64 == 0
+    always fits 4 warps of one group): the data file's tile serves every N the kernel runs."""
+    while n % (16 * cfg.num_warps * cfg.row_groups):
+        cfg = dataclasses.replace(cfg, row_groups=1) if cfg.row_groups > 1 else dataclasses.replace(cfg, num_warps=4)
+    return cfg
+
+
 def fit_tile(cfg: MmaConfig, n: int, k: int) -> int:
-    """Chunks per k-step as the tile runs on weights [N, K]: the tile's, or the largest that divides K's
-    chunks. KernelConfigError where N is not a multiple of the CTA's weight rows."""
+    """Chunks per k-step as the tile runs on weights [N, K]: the tile's, or the largest power of two below it
+    that divides K's chunks. KernelConfigError where N is not a multiple of the CTA's weight rows."""
     rows = 16 * cfg.num_warps * cfg.row_groups
     if n % rows:
         raise KernelConfigError(
             f"bad mma tiles for N={n}: num_warps={cfg.num_warps} x row_groups={cfg.row_groups} x 16 rows must divide N"
         )
-    return max(c for c in range(1, cfg.chunks + 1) if (k // CHUNK_K) % c == 0)
+    return max(c for c in (1, 2, 4) if c <= cfg.chunks and (k // CHUNK_K) % c == 0)
 
 
 def grouped_w4a4_mma(
@@ -63,19 +72,19 @@ def grouped_w4a4_mma(
     values: fp16 [M, 2, K/2] activation operand in the "pairs" order (act_quant; RAC folded in);
     global_decode: fp32 [M] or [M, 1]; w_codes u8 [E, N, K/2], w_scales u8 [E, N, K/16], w_sdec fp32 [E] (may
     be strided); a_rows: optional token index of each grouped row (values in [0, M), not checked: that would
-    sync). config: the tiles (None: mma_config(rows, K)). tiles: RowTiles of offs in block_t-row tiles made
-    beforehand (the activation operand's .tiles); None: one tile_map launch.
+    sync). config: the tiles (None: mma_config(rows, K), narrowed to N by fit_rows). tiles: RowTiles of offs
+    in block_t-row tiles made beforehand (the activation operand's .tiles); None: one tile_map launch.
     """
     e_count, n, k_half = w_codes.shape
     k = 2 * k_half
     if values.dim() != 3 or values.shape[1:] != (2, k_half) or values.dtype != torch.float16:
         raise ValueError(f"mma operand must be fp16 [M, 2, {k_half}] (pairs), got {values.dtype} {tuple(values.shape)}")
     if not usable(w_codes.device, n, k):
-        raise ValueError(f"the mma GEMM needs a CUDA GPU (sm_80+), K % 128 == 0 and N % 64 == 0 (N={n}, K={k})")
+        raise ValueError(f"the mma GEMM needs a CUDA GPU (sm_89+), K % 128 == 0 and N % 64 == 0 (N={n}, K={k})")
     if config is not None and not isinstance(config, MmaConfig):
         raise TypeError(f"config must be an MmaConfig, got {type(config).__name__}")
     m, offs, a_rows = grouped_rows(values.shape[0], offs, a_rows, e_count, w_codes.device)
-    cfg = config or mma_config(m, k, w_codes.device)
+    cfg = config or fit_rows(mma_config(m, k, w_codes.device), n)  # a given tile must fit as it is
     chunks = fit_tile(cfg, n, k)
     dev = w_codes.device
     tiles = gemm_row_tiles(tiles, offs, cfg.block_t, m)

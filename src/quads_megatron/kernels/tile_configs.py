@@ -148,10 +148,10 @@ class MmaConfig:
             raise KernelConfigError(f"MmaConfig.prefetch must be a bool, got {self.prefetch!r}")
         if self.block_t not in (8, 16):
             raise KernelConfigError(f"MmaConfig.block_t={self.block_t}: 8 or 16")
-        if self.num_warps not in (4, 8) or self.row_groups not in (1, 2) or self.chunks not in (1, 2):
+        if self.num_warps not in (4, 8) or self.row_groups not in (1, 2) or self.chunks not in (1, 2, 4):
             raise KernelConfigError(
                 f"MmaConfig num_warps={self.num_warps}, row_groups={self.row_groups}, chunks={self.chunks}: "
-                "4 or 8 warps, 1 or 2 row groups, 1 or 2 chunks"
+                "4 or 8 warps, 1 or 2 row groups, 1, 2 or 4 chunks"
             )
 
 

@@ -163,7 +163,7 @@ def moe_w4a4(
 
     impl: 'reference' (torch), 'triton' (Triton kernels; CPU only under TRITON_INTERPRET=1), 'wgmma'
     (the expert GEMMs on the Gluon Hopper kernel instead: sm_90, K % 128 == 0, K >= 256, N % 64 == 0), 'mma'
-    (on the decode-size Gluon kernel: sm_80+, K % 128 == 0, N % 64 == 0), or 'auto' (on CUDA the GEMM
+    (on the decode-size Gluon kernel: sm_89+, K % 128 == 0, N % 64 == 0), or 'auto' (on CUDA the GEMM
     gemm_impl picks for this many rows, reference elsewhere). check: refuse NaN/Inf in x (a host sync; pass
     False inside CUDA-graph capture). Nothing else syncs with the host on the kernel paths. recipe: the
     activations' NVFP4 variant (None: plain NVFP4; the weights carry theirs in their codes and scales).
@@ -183,7 +183,7 @@ def moe_w4a4(
             "impl='wgmma' needs an sm_90 GPU, H and I multiples of 128 and >= 256, and a Triton with Gluon"
         )
     if impl == "mma" and not mma_gemm_usable(x.device, weights):
-        raise ValueError("impl='mma' needs a CUDA GPU (sm_80+), H and I multiples of 128, and a Triton with Gluon")
+        raise ValueError("impl='mma' needs a CUDA GPU (sm_89+), H and I multiples of 128, and a Triton with Gluon")
     check_activation(activation)  # before any work, on both paths
     if x.shape[0] == 0:  # idle batch (e.g. data-parallel attention ranks without tokens)
         return torch.empty_like(x)
@@ -267,7 +267,9 @@ def _gemm_config(rows: int, n: int, k: int, gemm: str, out_dtype: torch.dtype, d
         cfg = tile_configs.wgmma_config(rows, n, out_dtype, device, k=k)
         return cfg, cfg.block_t
     if gemm == "mma":
-        cfg = tile_configs.mma_config(rows, k, device)
+        from quads_megatron.kernels.gemm_mma_launch import fit_rows
+
+        cfg = fit_rows(tile_configs.mma_config(rows, k, device), n)  # CTA rows that divide N
         return cfg, cfg.block_t
     cfg = tile_configs.triton_gemm_config(rows, k, device)
     return cfg, cfg.block_m
