@@ -488,7 +488,7 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
     fns = {"ours": ours(), "ours_rac50": ours(rac_dyn), "ours_rac50_static": ours(rac_static)}
     fns["ours_torch_route"] = ours_torch_route
     if cuda:  # A/B of the decode-size GEMM: the GEMMs auto ran without it
-        no_mma = "wgmma" if moe.hopper_gemm_usable(t["x"].device, weights, ids.numel()) else "triton"
+        no_mma = moe.gemm_impl(t["x"].device, weights, ids.numel(), mma=False)
         fns["ours_no_mma"] = lambda: moe.moe_w4a4(t["x"], ids, t["w"], weights, impl=no_mma, check=False)
     fns["torch_bf16"] = lambda: torch_bf16_block(t, inp, shape["topk"])
     for arm in (a for a in ARMS if a.startswith("sglang")):

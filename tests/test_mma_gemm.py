@@ -24,7 +24,7 @@ from quads_megatron.kernels import act_quant, tile_configs
 from quads_megatron.kernels.tile_configs import MmaConfig
 
 mm = pytest.importorskip("quads_megatron.kernels.gemm_mma_launch", reason="needs a Triton with Gluon")
-from quads_megatron.kernels import gemm_mma  # noqa: E402  (after the Gluon check)
+from quads_megatron.kernels import gemm_mma, gluon_device  # noqa: E402  (after the Gluon check)
 
 
 def test_weights_and_activations_meet_in_the_same_k_slot():
@@ -33,7 +33,7 @@ def test_weights_and_activations_meet_in_the_same_k_slot():
     2p + s), permuted as the kernel does: the same k everywhere, each k once."""
     byte = torch.arange(64).reshape(8, 8)  # [scale block, byte]: the decode's [rows, 8, 8] code tile
     k_w = torch.stack([2 * byte, 2 * byte + 1], -1)  # join(lo, hi): nibble last
-    k_w = k_w.reshape(1, 2, 2, 2, 2, 2, 2, 2).permute(*gemm_mma.W_PERM.value).reshape(128)
+    k_w = k_w.reshape(1, 2, 2, 2, 2, 2, 2, 2).permute(*gluon_device.DECODE_PERM.value).reshape(128)
     pair = torch.arange(64)
     k_x = torch.stack([2 * pair, 2 * pair + 1])  # [2 (even | odd), 64 pairs]: one row of a pairs chunk
     k_x = k_x.reshape(1, 2, 2, 2, 2, 2, 2, 2).permute(*gemm_mma.X_PERM.value).reshape(128)
@@ -141,6 +141,7 @@ def test_moe_block_picks_the_mma_gemm_where_the_data_says(monkeypatch):
     assert moe_block.mma_gemm_usable(cuda, weights, 512) and not moe_block.mma_gemm_usable(cuda, weights, 513)
     monkeypatch.setattr(moe_block, "hopper_gemm_usable", lambda device, w, rows=None: rows > 1024)
     assert [moe_block.gemm_impl(cuda, weights, r) for r in (128, 512, 1024, 2048)] == ["mma", "mma", "triton", "wgmma"]
+    assert [moe_block.gemm_impl(cuda, weights, r, mma=False) for r in (128, 2048)] == ["triton", "wgmma"]
     assert not moe_block.mma_gemm_usable(cuda, _expert_weights(4, 256, 96))  # fc2's K = 96: not a multiple of 128
     entry["rules"] = [{"tile": {"block_t": 8, "num_warps": 8, "row_groups": 2}}]  # 256 weight rows per CTA
     cfg, bt = moe_block._gemm_config(128, 2 * 704, 2048, "mma", torch.bfloat16, cuda)  # N = 1408: narrowed

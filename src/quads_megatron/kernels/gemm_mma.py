@@ -7,7 +7,7 @@ into the registers mma.sync reads: 16 contiguous code bytes (two scale blocks) o
 g+8 of its warp's 16 rows (lane = 4g + t, bytes 16t..16t+15 of a 128-element chunk), and, for token
 row g, the same 32 elements of the "pairs" activation operand (16 even, 16 odd: two 32-byte pieces).
 Which register meets which k slot is a permutation of K inside each chunk, the same for both
-operands (the decode's output order, as in gemm_wgmma), so nothing moves between threads. A k-step
+operands (gluon_device.decode_weights' order), so nothing moves between threads. A k-step
 covers KC chunks (unrolled: ptxas issues their loads ahead of the decode); prefetch tiles instead load
 the next chunk before decoding this one (a register pipeline, the codes carried as int32 words, since
 loop-carried bytes are one register each). Every CTA reads its tile from a row-tile table
@@ -25,61 +25,47 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from quads_megatron.kernels.fp4_device import PTX_HI, PTX_LO
+from quads_megatron.kernels.gluon_device import decode_weights, wait_then_release
 
 CHUNK_K = 128  # K elements per chunk (64 code bytes per weight row, 16 per thread)
 CHUNK = gl.constexpr(CHUNK_K)  # the same, for the kernel
-# A chunk's element of code byte 16t + 4w + q (q = 2 q1 + q0) of a weight row, nibble s, and pair 16t + 4w + q
-# of half s of an activation row, meet in k slot (w1 w0 s q1 t1 t0 q0) of the chunk's 8 m16n8k16 MMAs (slot
-# bits w1 w0 s: which MMA; q1 t1 t0 q0: its k), which is where mma.sync's A and B fragments hold them for
-# lane 4g + t. These permute the decoded weights [n, t1, t0, w1, w0, q1, q0, s] and the activations [row, s,
-# t1, t0, w1, w0, q1, q0] into that order ([n | row last], w1, w0, s, q1, t1, t0, q0).
-W_PERM = gl.constexpr((0, 3, 4, 7, 5, 1, 2, 6))
+# The activations [row, s, t1, t0, w1, w0, q1, q0] of a chunk of the "pairs" operand (pair 16t + 4w + q of half
+# s) into the k slots (w1 w0 s q1 t1 t0 q0, row last) where gluon_device.decode_weights puts the weight element
+# they multiply (code byte 16t + 4w + q, nibble s): mma.sync's B fragment of lane 4g + t, row g.
 X_PERM = gl.constexpr((4, 5, 1, 6, 2, 3, 7, 0))
+
+
+def _weight_rows_layout(num_warps: int, row_groups: int, inner: list, lanes: list, shape: list):
+    """A layout of [rows, ...] per-row data of the weight operand: inner register and t-lane bases over the
+    trailing dims, then row g+8 in a register, lanes 4g + t over rows 0..7, warp w over rows 16w.., row
+    groups every 16 * num_warps rows (mma.sync's A operand, row_groups repeats in registers)."""
+    rows = 16 * num_warps
+    regs = inner + [[8, 0, 0]] + [[rows << i, 0, 0] for i in range(row_groups.bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=regs,
+        lane_bases=lanes + [[1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16 << i, 0, 0] for i in range(num_warps.bit_length() - 1)],
+        block_bases=[],
+        shape=[rows * row_groups, *shape],
+    )
 
 
 def codes_layout(num_warps: int, row_groups: int) -> gl.DistributedLinearLayout:
     """Code bytes of one chunk as [rows, 8 scale blocks, 8 bytes]: a thread holds 16 contiguous bytes (two
-    blocks) of rows g and g+8 of each of its warp's 16-row groups (lane = 4g + t, bytes 16t..16t+15);
-    warp w owns rows 16w.. (mma.sync's A operand), row groups repeat every 16 * num_warps rows."""
-    rows = 16 * num_warps
-    regs = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [8, 0, 0]]
-    regs += [[rows << i, 0, 0] for i in range(row_groups.bit_length() - 1)]
-    return gl.DistributedLinearLayout(
-        reg_bases=regs,
-        lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[16 << i, 0, 0] for i in range(num_warps.bit_length() - 1)],
-        block_bases=[],
-        shape=[rows * row_groups, 8, 8],
-    )
+    blocks) of rows g and g+8 of each of its warp's 16-row groups (lane = 4g + t, bytes 16t..16t+15)."""
+    inner = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0]]
+    return _weight_rows_layout(num_warps, row_groups, inner, [[0, 2, 0], [0, 4, 0]], [8, 8])
 
 
 def codes16_layout(num_warps: int, row_groups: int) -> gl.DistributedLinearLayout:
     """codes_layout as loaded, [rows, 4 (t), 16 bytes]: each thread's 16 bytes of a row one access."""
-    rows = 16 * num_warps
-    regs = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]]
-    regs += [[rows << i, 0, 0] for i in range(row_groups.bit_length() - 1)]
-    return gl.DistributedLinearLayout(
-        reg_bases=regs,
-        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[16 << i, 0, 0] for i in range(num_warps.bit_length() - 1)],
-        block_bases=[],
-        shape=[rows * row_groups, 4, 16],
-    )
+    inner = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]]
+    return _weight_rows_layout(num_warps, row_groups, inner, [[0, 1, 0], [0, 2, 0]], [4, 16])
 
 
 def words_layout(num_warps: int, row_groups: int) -> gl.DistributedLinearLayout:
     """codes16_layout as 4-byte words, [rows, 4 (t), 4 words]."""
-    rows = 16 * num_warps
-    regs = [[0, 0, 1], [0, 0, 2], [8, 0, 0]]
-    regs += [[rows << i, 0, 0] for i in range(row_groups.bit_length() - 1)]
-    return gl.DistributedLinearLayout(
-        reg_bases=regs,
-        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[16 << i, 0, 0] for i in range(num_warps.bit_length() - 1)],
-        block_bases=[],
-        shape=[rows * row_groups, 4, 4],
-    )
+    return _weight_rows_layout(num_warps, row_groups, [[0, 0, 1], [0, 0, 2]], [[0, 1, 0], [0, 2, 0]], [4, 4])
 
 
 def activation_layout(num_warps: int, block_t: int) -> gl.DistributedLinearLayout:
@@ -97,31 +83,9 @@ def activation_layout(num_warps: int, block_t: int) -> gl.DistributedLinearLayou
 
 
 @gluon.jit
-def _wait_then_release(PDL: gl.constexpr):
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-
-
-@gluon.jit
-def _weights(c, sc, BN: gl.constexpr, A_LAYOUT: gl.constexpr):
-    """Code bytes u8 [BN, 8, 8], scale bytes u8 [BN, 8] of a chunk -> fp16 [BN, 128] value * s_b * 2^-7 in
-    mma's A layout, K in the decode's order (logical slot bits w1 w0 s q1 t1 t0 q0 of the code byte
-    16t + 4w + q of a row and nibble s): exact, and no data movement (asserted)."""
-    s16 = gl.expand_dims(sc.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0, 2)
-    lo = gl.inline_asm_elementwise(PTX_LO, "=r,=r,r", [c], dtype=gl.float16, is_pure=True, pack=4) * s16
-    hi = gl.inline_asm_elementwise(PTX_HI, "=r,=r,r", [c], dtype=gl.float16, is_pure=True, pack=4) * s16
-    v = gl.reshape(gl.join(lo, hi), [BN, 2, 2, 2, 2, 2, 2, 2])  # n, t1, t0, w1, w0, q1, q0, s
-    v = gl.reshape(gl.permute(v, W_PERM.value), [BN, 128])  # n, w1, w0, s, q1, t1, t0, q0
-    return gl.convert_layout(v, A_LAYOUT, assert_trivial=True)
-
-
-@gluon.jit
 def _activations(x, BT: gl.constexpr, B_LAYOUT: gl.constexpr):
     """One chunk of the pairs operand, fp16 [BT, 2, 64] (pair p = 16t + 4w + q, half s) -> [128, BT] in
-    mma's B layout, K in the same order as _weights (no data movement: asserted)."""
+    mma's B layout, K in decode_weights' order (no data movement: asserted)."""
     v = gl.reshape(x, [BT, 2, 2, 2, 2, 2, 2, 2])  # row, s, t1, t0, w1, w0, q1, q0
     v = gl.reshape(gl.permute(v, X_PERM.value), [128, BT])  # w1, w0, s, q1, t1, t0, q0, row
     return gl.convert_layout(v, B_LAYOUT, assert_trivial=True)
@@ -163,7 +127,7 @@ def w4a4_mma_kernel(
     WORDS_LAYOUT: gl.constexpr,
     PDL: gl.constexpr,
 ):
-    _wait_then_release(PDL)
+    wait_then_release(PDL)
     BN: gl.constexpr = 16 * NW * RG  # weight rows per CTA
     NK: gl.constexpr = K // (CHUNK * KC)  # k-steps of KC chunks
     pid = gl.program_id(1)  # N tiles vary fastest: a row tile's activations are re-read from L2, not HBM
@@ -219,7 +183,7 @@ def w4a4_mma_kernel(
             x_n = gl.load(x_ptrs + nj * 64)
             c16 = gl.convert_layout(_bytes(cw), C16_LAYOUT, assert_trivial=True)
             c = gl.convert_layout(gl.reshape(c16, [BN, 8, 8]), CODES_LAYOUT, assert_trivial=True)
-            acc = mma_v2(_weights(c, s, BN, a_layout), _activations(x, BT, b_layout), acc)
+            acc = mma_v2(decode_weights(c, s, BN, a_layout), _activations(x, BT, b_layout), acc)
             cw = cw_n
             s = s_n
             x = x_n
@@ -231,7 +195,7 @@ def w4a4_mma_kernel(
                 c = gl.convert_layout(c, CODES_LAYOUT, assert_trivial=True)
                 s = gl.load(s_ptrs + cc * 8)
                 x = gl.load(x_ptrs + cc * 64)
-                acc = mma_v2(_weights(c, s, BN, a_layout), _activations(x, BT, b_layout), acc)
+                acc = mma_v2(decode_weights(c, s, BN, a_layout), _activations(x, BT, b_layout), acc)
 
     # epilogue: y[t0 + col, n0 + row] = acc * 2^14 * S_dec_a[token] * S_dec_w[e], rows past the expert masked
     orow = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))

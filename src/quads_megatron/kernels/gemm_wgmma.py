@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from quads_megatron.kernels.fp4_device import PTX_HI, PTX_LO
+from quads_megatron.kernels.gluon_device import decode_weights, wait_then_release
 
 ROWS_PER_WARPGROUP = 64  # weight rows per consumer warpgroup (wgmma's M)
 
@@ -52,28 +52,6 @@ def codes_layout(num_warps: int) -> gl.DistributedLinearLayout:
 
 # Triton 3.6 spells the CTA barrier thread_barrier, 3.8 barrier
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-
-
-@gluon.jit
-def _wait_then_release(PDL: gl.constexpr):
-    """pdl.wait_then_release for Gluon: wait for the previous kernel's writes, then let the next one launch."""
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-
-
-@gluon.jit
-def _decode_a(c, sc, BNW: gl.constexpr, A_LAYOUT: gl.constexpr):
-    """Code bytes u8 [BNW, 8, 8] and scale bytes u8 [BNW, 8] of one k-step -> fp16 [BNW, 128]
-    value * s_b * 2^-7 in wgmma's register-operand layout (no data movement: asserted)."""
-    s16 = gl.expand_dims(sc.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0, 2)
-    lo = gl.inline_asm_elementwise(PTX_LO, "=r,=r,r", [c], dtype=gl.float16, is_pure=True, pack=4) * s16
-    hi = gl.inline_asm_elementwise(PTX_HI, "=r,=r,r", [c], dtype=gl.float16, is_pure=True, pack=4) * s16
-    v = gl.reshape(gl.join(lo, hi), [BNW, 2, 2, 2, 2, 2, 2, 2])  # n, t1, t0, w1, w0, q1, q0, s
-    v = gl.reshape(gl.permute(v, [0, 3, 4, 7, 5, 1, 2, 6]), [BNW, 128])  # n, w1, w0, s, q1, t1, t0, q0
-    return gl.convert_layout(v, A_LAYOUT, assert_trivial=True)
 
 
 @gluon.jit
@@ -105,7 +83,7 @@ def _decode_and_mma(
         s_buf = s_buf.slice(ROW0, BNW)
     c = w_buf.load(CODES_LAYOUT)
     sc = s_buf.load(gl.SliceLayout(2, CODES_LAYOUT))
-    a = _decode_a(c, sc, BNW, a_layout)
+    a = decode_weights(c, sc, BNW, a_layout)
     b = b_smem.index(buf)
     if acc.shape[1] != b_smem.shape[1]:  # a narrow tile: the slot's first rows (whole 8-row swizzle atoms)
         b = b.slice(0, acc.shape[1])
@@ -231,7 +209,7 @@ def w4a4_wgmma_kernel(
     MASK_ROWS: gl.constexpr,
     PDL: gl.constexpr,
 ):
-    _wait_then_release(PDL)
+    wait_then_release(PDL)
     BNW: gl.constexpr = 64 * (NW // 4)
     NK: gl.constexpr = K // (128 * KC)  # k-steps of KC chunks
     pid = gl.program_id(1)  # N tiles vary fastest: a token tile's rows are re-read from L2, not HBM
@@ -350,7 +328,7 @@ def _ws_loader(
         gl.arange(0, PIECE, layout=gl.SliceLayout(1, s_copy))[:, None] * (K // 16)
         + gl.arange(0, 8, layout=gl.SliceLayout(0, s_copy))[None, :]
     )
-    _wait_then_release(PDL)
+    wait_then_release(PDL)
     n_tiles = N // BNW
     it = 0  # k-steps issued by this CTA so far: ring slot and phase
     for t in range(gl.program_id(0), gl.load(tmap_ptr + 3) * n_tiles, P):
@@ -509,7 +487,7 @@ def _ws_consumer(
     OVERLAP needs registers for two decoded chunks (with too few, ptxas serializes every wgmma). y_desc
     (not None): tiles leave by TMA bulk stores (_store_tile_tma), the last one waited for before the
     partition ends."""
-    _wait_then_release(PDL)
+    wait_then_release(PDL)
     n_tiles = N // CTA_ROWS  # N tiles of the CTA's weight rows (all consumer partitions)
     it = 0  # k-steps consumed by this CTA so far
     for t in range(gl.program_id(0), gl.load(tmap_ptr + 3) * n_tiles, P):

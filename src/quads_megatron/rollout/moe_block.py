@@ -250,10 +250,11 @@ def mma_gemm_usable(device: torch.device, weights: ExpertWeights, rows: int | No
     return usable and (rows is None or mma_used(rows, device))
 
 
-def gemm_impl(device: torch.device, weights: ExpertWeights, rows: int) -> str:
+def gemm_impl(device: torch.device, weights: ExpertWeights, rows: int, mma: bool = True) -> str:
     """The expert GEMMs impl='auto' runs on a GPU at this many grouped rows: 'mma' (decode sizes, where
-    tuned), 'wgmma' (where it is the faster one), else 'triton'."""
-    if mma_gemm_usable(device, weights, rows):
+    tuned), 'wgmma' (where it is the faster one), else 'triton'. mma=False: the choice without the
+    decode-size GEMM (a benchmark's A/B)."""
+    if mma and mma_gemm_usable(device, weights, rows):
         return "mma"
     return "wgmma" if hopper_gemm_usable(device, weights, rows) else "triton"
 

@@ -1,0 +1,44 @@
+"""Gluon device functions shared by the Gluon GEMMs (gemm_wgmma, gemm_mma): the programmatic-dependent-launch
+prologue, and the FP4 weight decode into an MMA's register A operand.
+
+The A fragment of wgmma (per warp) and of mma.sync m16n8k16 is the same: lane 4g + t holds rows g and g+8
+and k slots 2t, 2t+1, 2t+8, 2t+9 of each k16. A thread that holds 16 contiguous code bytes of rows g and
+g+8 (bytes 16t..16t+15 of a 128-element chunk: two scale blocks) decodes them into exactly those registers
+once K inside the chunk is permuted: element (code byte 16t + 4w + q, q = 2 q1 + q0, nibble s) goes to
+slot (w1 w0 s q1 t1 t0 q0), which is DECODE_PERM applied to the decoded [n, t1, t0, w1, w0, q1, q0, s]. The
+activation operand must meet each weight in the same slot (act_quant's "wgmma" order, or gemm_mma's view
+of the "pairs" order).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from quads_megatron.kernels.fp4_device import PTX_HI, PTX_LO
+
+#: [n, t1, t0, w1, w0, q1, q0, s] -> [n, w1, w0, s, q1, t1, t0, q0]: the decoded weights' K order
+DECODE_PERM = gl.constexpr((0, 3, 4, 7, 5, 1, 2, 6))
+
+
+@gluon.jit
+def wait_then_release(PDL: gl.constexpr):
+    """pdl.wait_then_release for Gluon: wait for the previous kernel's writes, then let the next one launch."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+
+@gluon.jit
+def decode_weights(c, sc, BNW: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """Code bytes u8 [BNW, 8, 8] and scale bytes u8 [BNW, 8] of one 128-K chunk -> fp16 [BNW, 128]
+    value * s_b * 2^-7 (exact) in the MMA's register A layout A_LAYOUT, K in DECODE_PERM's order (no
+    data movement: asserted at compile time)."""
+    s16 = gl.expand_dims(sc.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 128.0, 2)
+    lo = gl.inline_asm_elementwise(PTX_LO, "=r,=r,r", [c], dtype=gl.float16, is_pure=True, pack=4) * s16
+    hi = gl.inline_asm_elementwise(PTX_HI, "=r,=r,r", [c], dtype=gl.float16, is_pure=True, pack=4) * s16
+    v = gl.reshape(gl.join(lo, hi), [BNW, 2, 2, 2, 2, 2, 2, 2])  # n, t1, t0, w1, w0, q1, q0, s
+    v = gl.reshape(gl.permute(v, DECODE_PERM.value), [BNW, 128])  # n, w1, w0, s, q1, t1, t0, q0
+    return gl.convert_layout(v, A_LAYOUT, assert_trivial=True)
