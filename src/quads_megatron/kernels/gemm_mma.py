@@ -25,7 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from quads_megatron.kernels.gluon_device import decode_weights, wait_then_release
+from quads_megatron.kernels.gluon_device import decode_weights, tile_coords, tile_scales, wait_then_release
 
 CHUNK_K = 128  # K elements per chunk (64 code bytes per weight row, 16 per thread)
 CHUNK = gl.constexpr(CHUNK_K)  # the same, for the kernel
@@ -131,11 +131,9 @@ def w4a4_mma_kernel(
     BN: gl.constexpr = 16 * NW * RG  # weight rows per CTA
     NK: gl.constexpr = K // (CHUNK * KC)  # k-steps of KC chunks
     pid = gl.program_id(1)  # N tiles vary fastest: a row tile's activations are re-read from L2, not HBM
-    e = gl.load(tmap_ptr + pid * 4)
+    e, t0, row_end = tile_coords(tmap_ptr, pid)
     if e < 0:
         return
-    t0 = gl.load(tmap_ptr + pid * 4 + 1)
-    row_end = gl.load(tmap_ptr + pid * 4 + 2)
     n0 = gl.program_id(0) * BN
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -201,11 +199,8 @@ def w4a4_mma_kernel(
     orow = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     ocol = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
     omask = ocol < row_end
-    if HAS_AROWS:
-        otok = gl.load(arows_ptr + ocol, mask=omask, other=0).to(gl.int64)
-    else:
-        otok = ocol.to(gl.int64)
-    sa = gl.load(asdec_ptr + otok, mask=omask, other=0.0)
-    sw = gl.load(wsdec_ptr + e * wsdec_stride)
+    sa, sw = tile_scales(
+        arows_ptr, asdec_ptr, wsdec_ptr, e, t0, row_end, wsdec_stride, HAS_AROWS, BT, gl.SliceLayout(0, mma)
+    )
     y = ((acc * 16384.0) * sa[None, :] * sw).to(y_ptr.dtype.element_ty)
     gl.store(y_ptr + ocol.to(gl.int64)[None, :] * N + orow[:, None], y, mask=omask[None, :])

@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from quads_megatron.kernels.gluon_device import decode_weights, wait_then_release
+from quads_megatron.kernels.gluon_device import decode_weights, tile_coords, tile_scales, wait_then_release
 
 ROWS_PER_WARPGROUP = 64  # weight rows per consumer warpgroup (wgmma's M)
 
@@ -102,37 +102,6 @@ def _issue_step(
         async_copy.async_copy_global_to_shared(b_smem.index(slot * KC + ch), b_ptrs + j * 128, mask=b_mask)
         async_copy.async_copy_global_to_shared(w_smem.index(slot * KC + ch), w_ptrs + j * 64)
         async_copy.async_copy_global_to_shared(s_smem.index(slot * KC + ch), s_ptrs + j * 8)
-
-
-@gluon.jit
-def _tile_coords(tmap_ptr, pid):
-    """Row tile pid -> (expert e, first grouped row t0, end of e's rows) from tile_map, one round trip;
-    e = -1 past the last tile."""
-    return gl.load(tmap_ptr + pid * 4), gl.load(tmap_ptr + pid * 4 + 1), gl.load(tmap_ptr + pid * 4 + 2)
-
-
-@gluon.jit
-def _tile_scales(
-    arows_ptr,
-    asdec_ptr,
-    wsdec_ptr,
-    e,
-    t0,
-    row_end,
-    wsdec_stride,
-    HAS_AROWS: gl.constexpr,
-    BT: gl.constexpr,
-    LAYOUT: gl.constexpr,
-):
-    """The epilogue's decode scales of a tile from global memory: S_dec_a of rows t0 .. t0 + BT (their
-    tokens' with HAS_AROWS; 0 past row_end), fp32 [BT] in LAYOUT, and S_dec_w[e]."""
-    cols = t0 + gl.arange(0, BT, layout=LAYOUT)
-    cmask = cols < row_end
-    if HAS_AROWS:
-        ctok = gl.load(arows_ptr + cols, mask=cmask, other=0).to(gl.int64)
-    else:
-        ctok = cols.to(gl.int64)
-    return gl.load(asdec_ptr + ctok, mask=cmask, other=0.0), gl.load(wsdec_ptr + e * wsdec_stride)
 
 
 @gluon.jit
@@ -213,7 +182,7 @@ def w4a4_wgmma_kernel(
     BNW: gl.constexpr = 64 * (NW // 4)
     NK: gl.constexpr = K // (128 * KC)  # k-steps of KC chunks
     pid = gl.program_id(1)  # N tiles vary fastest: a token tile's rows are re-read from L2, not HBM
-    e, t0, row_end = _tile_coords(tmap_ptr, pid)
+    e, t0, row_end = tile_coords(tmap_ptr, pid)
     if e < 0:
         return
     n0 = gl.program_id(0) * BNW
@@ -268,7 +237,7 @@ def w4a4_wgmma_kernel(
                     acc = hopper.warpgroup_mma_wait(1, deps=[acc])
     async_copy.wait_group(0)
 
-    sa, sw = _tile_scales(
+    sa, sw = tile_scales(
         arows_ptr, asdec_ptr, wsdec_ptr, e, t0, row_end, wsdec_stride, HAS_AROWS, BT, gl.SliceLayout(0, mma)
     )
     _store_tile(acc, sa, sw, y_ptr, t0, n0, row_end, N, BT, NW, mma)
@@ -332,7 +301,7 @@ def _ws_loader(
     n_tiles = N // BNW
     it = 0  # k-steps issued by this CTA so far: ring slot and phase
     for t in range(gl.program_id(0), gl.load(tmap_ptr + 3) * n_tiles, P):
-        e, t0, row_end = _tile_coords(tmap_ptr, t // n_tiles)
+        e, t0, row_end = tile_coords(tmap_ptr, t // n_tiles)
         r = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, b_copy))
         if HAS_AROWS:
             tok = gl.load(arows_ptr + r, mask=r < row_end, other=0)
@@ -440,7 +409,7 @@ def _ws_tile(
             sa_buf = sa_buf.slice(0, BT)
         sa = sa_buf.load(gl.SliceLayout(0, mma))
     else:
-        sa, sw = _tile_scales(
+        sa, sw = tile_scales(
             arows_ptr, asdec_ptr, wsdec_ptr, e, t0, row_end, wsdec_stride, HAS_AROWS, BT, gl.SliceLayout(0, mma)
         )
     if y_desc is None:
@@ -491,7 +460,7 @@ def _ws_consumer(
     n_tiles = N // CTA_ROWS  # N tiles of the CTA's weight rows (all consumer partitions)
     it = 0  # k-steps consumed by this CTA so far
     for t in range(gl.program_id(0), gl.load(tmap_ptr + 3) * n_tiles, P):
-        e, t0, row_end = _tile_coords(tmap_ptr, t // n_tiles)
+        e, t0, row_end = tile_coords(tmap_ptr, t // n_tiles)
         # fmt: off
         if NARROW and row_end - t0 <= BT // 2:  # (NARROW False: no branch, the wide tile alone)
             it = _ws_tile(b_smem, w_smem, s_smem, sa_smem, ready, empty, it, t, P, n_tiles, e, t0, row_end,

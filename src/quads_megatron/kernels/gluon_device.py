@@ -1,5 +1,5 @@
 """Gluon device functions shared by the Gluon GEMMs (gemm_wgmma, gemm_mma): the programmatic-dependent-launch
-prologue, and the FP4 weight decode into an MMA's register A operand.
+prologue, a tile's coordinates and epilogue scales, and the FP4 weight decode into an MMA's register A operand.
 
 The A fragment of wgmma (per warp) and of mma.sync m16n8k16 is the same: lane 4g + t holds rows g and g+8
 and k slots 2t, 2t+1, 2t+8, 2t+9 of each k16. A thread that holds 16 contiguous code bytes of rows g and
@@ -42,3 +42,34 @@ def decode_weights(c, sc, BNW: gl.constexpr, A_LAYOUT: gl.constexpr):
     v = gl.reshape(gl.join(lo, hi), [BNW, 2, 2, 2, 2, 2, 2, 2])  # n, t1, t0, w1, w0, q1, q0, s
     v = gl.reshape(gl.permute(v, DECODE_PERM.value), [BNW, 128])  # n, w1, w0, s, q1, t1, t0, q0
     return gl.convert_layout(v, A_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def tile_coords(tmap_ptr, pid):
+    """Row tile pid -> (expert e, first grouped row t0, end of e's rows) from tile_map, one round trip;
+    e = -1 past the last tile."""
+    return gl.load(tmap_ptr + pid * 4), gl.load(tmap_ptr + pid * 4 + 1), gl.load(tmap_ptr + pid * 4 + 2)
+
+
+@gluon.jit
+def tile_scales(
+    arows_ptr,
+    asdec_ptr,
+    wsdec_ptr,
+    e,
+    t0,
+    row_end,
+    wsdec_stride,
+    HAS_AROWS: gl.constexpr,
+    BT: gl.constexpr,
+    LAYOUT: gl.constexpr,
+):
+    """The epilogue's decode scales of a tile from global memory: S_dec_a of rows t0 .. t0 + BT (their
+    tokens' with HAS_AROWS; 0 past row_end), fp32 [BT] in LAYOUT, and S_dec_w[e]."""
+    cols = t0 + gl.arange(0, BT, layout=LAYOUT)
+    cmask = cols < row_end
+    if HAS_AROWS:
+        ctok = gl.load(arows_ptr + cols, mask=cmask, other=0).to(gl.int64)
+    else:
+        ctok = cols.to(gl.int64)
+    return gl.load(asdec_ptr + ctok, mask=cmask, other=0.0), gl.load(wsdec_ptr + e * wsdec_stride)
