@@ -5,11 +5,14 @@ python dev/probe_block_pieces.py [--tokens 16,64,256] [--rac none,dyn50] [--out 
 python dev/probe_block_pieces.py --dry-run      (CPU, TRITON_INTERPRET=1: tiny shapes, the pieces' outputs
                                                  checked against the whole block, no timing)
 
-moe_w4a4(impl='auto') is a chain of launches: routing, fc1's activation quantization (with the row-tile
-programs), fc1, fc2's gated quantization, fc2 and the top-k combine. Each is captured and timed alone on
+moe_w4a4(impl='auto') is a chain of launches: routing with fc1's activation quantization (one launch at
+decode sizes: the routing and row-tile programs beside the quantization's), fc1, fc2's gated quantization,
+fc2 and the top-k combine. Each is captured and timed alone on
 the inputs the chain gives it, next to the whole block: the pieces' sum minus the block is what the chain
 overlaps (PDL) or adds (launch gaps). The pieces mirror rollout.moe_block._experts_triton; the check that
-their output equals the block's, bit for bit, keeps them in step with it.
+their output equals the block's, bit for bit, keeps them in step with it. Also timed, outside the sum:
+the routing and fc1's quantization as the two launches they were before 2026-12-06 (route_alone,
+fc1_quant_alone).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from quads_megatron.kernels import combine as combine_kernel  # noqa: E402
 from quads_megatron.kernels import route  # noqa: E402
 from quads_megatron.rollout import moe_block as moe  # noqa: E402
 
-PIECES = ("route", "fc1_quant", "fc1", "fc2_quant", "fc2", "combine")
+PIECES = ("route_fc1_quant", "fc1", "fc2_quant", "fc2", "combine")
+APART = ("route_alone", "fc1_quant_alone")  # the first piece as two launches (not in the sum)
 
 
 def pieces(t: dict, weights: moe.ExpertWeights, rac: moe.LayerRAC) -> dict:
@@ -43,10 +47,16 @@ def pieces(t: dict, weights: moe.ExpertWeights, rac: moe.LayerRAC) -> dict:
     cfg2, bt2 = moe._gemm_config(rows, h, i, gemm, x.dtype, x.device)
     r = route.route(ids, weights.num_experts)
 
-    def op1():
+    def op1():  # as moe_w4a4 runs it at decode sizes: routing by extra programs of this launch
+        route_args = (ids, weights.num_experts, bt1)
+        return moe._gemm_operand(x, rac.fc1, None, order_kind, None, check=False, route=route_args)
+
+    def op1_alone():
         return moe._gemm_operand(x, rac.fc1, None, order_kind, None, check=False, row_tiles=(r.offs, bt1, rows))
 
     a1 = op1()
+    for name in ("order", "offs", "valid", "tokens", "pos"):
+        assert torch.equal(getattr(a1.routing, name), getattr(r, name)), name
     w13 = (weights.w13_codes, weights.w13_scales, weights.w13_sdec)
     w2 = (weights.w2_codes, weights.w2_scales, weights.w2_sdec)
 
@@ -72,8 +82,9 @@ def pieces(t: dict, weights: moe.ExpertWeights, rac: moe.LayerRAC) -> dict:
         return combine_kernel.combine(y2, r.order, ids, w, weights.num_experts, x.dtype, r.pos)
 
     return {
-        "route": lambda: route.route(ids, weights.num_experts),
-        "fc1_quant": op1,
+        "route_fc1_quant": op1,
+        "route_alone": lambda: route.route(ids, weights.num_experts),
+        "fc1_quant_alone": op1_alone,
         "fc1": fc1,
         "fc2_quant": op2,
         "fc2": fc2,
@@ -115,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 for name in PIECES:
                     row[f"{name}_us"] = bmb.time_us(p[name], True, args.rep_ms)
                 row["sum_us"] = sum(row[f"{k}_us"] for k in PIECES)
+                for name in APART:
+                    row[f"{name}_us"] = bmb.time_us(p[name], True, args.rep_ms)
             out["rows"].append(row)
             print(json.dumps(row), flush=True)
     if args.out:

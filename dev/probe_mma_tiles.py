@@ -13,7 +13,7 @@ beat the other GEMMs' at every probed count (0 where they lose at the first).
 from __future__ import annotations
 
 import argparse
-import itertools
+import dataclasses
 import json
 import os
 import sys
@@ -29,13 +29,19 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 from probe_wgmma_tiles import HIDDEN, INTER, expert_weights, fc1_rows  # noqa: E402
 from tile_writer import CONFIGS, current_first, dumps_table, write_config  # noqa: E402
 
-FIELDS = ("block_t", "num_warps", "row_groups", "chunks", "prefetch")
+FIELDS = ("block_t", "num_warps", "row_groups", "chunks", "prefetch", "weight_loads")
 
 
-def candidates() -> list[dict]:
-    grid = itertools.product((8, 16), (4, 8), (1, 2), (1, 2, 4), (False, True))
-    keep = [t for t in grid if not (t[4] and t[3] > 1) and not (t[3] == 4 and (t[0] == 16 or t[2] == 2))]
-    return [dict(zip(FIELDS, t, strict=True)) for t in keep]  # prefetch: 1 chunk; 4 chunks: 8 rows, 1 group
+def candidates(rows: int) -> list[dict]:
+    """8-token tiles up to 512 grouped rows (16 and 64 tokens at top-8), 16-token ones above: row groups x
+    chunks per k-step (the weight bytes a thread has in flight: 16 per row, chunk and group), the weights'
+    cache hint on the smaller ones, one register-pipelined tile."""
+    bt = 8 if rows <= 512 else 16
+    shapes = [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)] if bt == 8 else [(1, 1), (1, 2), (2, 2), (1, 4)]
+    out = [(bt, nw, rg, kc, False, "default") for nw in (4, 8) for rg, kc in shapes]
+    out += [(bt, nw, rg, kc, False, wl) for wl in ("cg", "evict_first") for nw in (4, 8) for rg, kc in shapes[:4]]
+    out.append((bt, 4, 2, 1, True, "default"))
+    return [dict(zip(FIELDS, t, strict=True)) for t in out]
 
 
 def bench(fn) -> float:
@@ -85,7 +91,7 @@ def main() -> None:
             kind, base_us = baseline(rows, pairs, wg, offs, a_rows, w)
             rule, current = tile_configs.match_rule("mma_gemm", "cuda", rows=rows, k=k)
             res = []
-            for tile in current_first(current["tile"], candidates()):
+            for tile in current_first(dataclasses.asdict(MmaConfig(**current["tile"])), candidates(rows)):
                 if time.time() - t0 > args.budget_s:
                     print("budget spent; sweep cut short", flush=True)
                     break

@@ -215,6 +215,32 @@ def test_fused_block_pieces_on_gpu():
     assert torch.allclose(got, combine(y2, order, valid, tw), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "tokens,experts,bm", [(16, 128, 8), (64, 128, 8), (256, 128, 16), (1024, 128, 16), (7, 16, 32)]
+)
+def test_routing_with_row_tiles_on_gpu(tokens, experts, bm):
+    """The routing kernel on the GPU's histogram (the CPU tests run its one-hot twin): with tile_rows its table
+    is tile_map's; inside fc1's quantization launch routing, tiles and operand equal the separate launches'."""
+    from quads_megatron.kernels import act_quant
+    from quads_megatron.kernels import route as route_kernel
+    from quads_megatron.kernels.row_tiles import RowTiles, tile_map
+    from quads_megatron.rollout.moe_block import route
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    ids = torch.randint(-1, experts, (tokens, TOPK), generator=g, device="cuda")
+    order, offs, valid = route(ids, experts)
+    r = route_kernel.route(ids, experts, tile_rows=bm)
+    assert torch.equal(r.order, order) and torch.equal(r.offs, offs) and torch.equal(r.valid, valid)
+    assert torch.equal(r.tiles.table, tile_map(r.offs, bm, RowTiles.count(ids.numel(), bm, experts)))
+    x = torch.randn(tokens, H, generator=g, device="cuda").bfloat16()
+    op = act_quant.activation_operand(x, route=(ids, experts, bm))
+    plain = act_quant.activation_operand(x)
+    assert torch.equal(op.values, plain.values) and torch.equal(op.global_decode, plain.global_decode)
+    assert torch.equal(op.tiles.table, r.tiles.table)
+    for name in ("order", "offs", "valid", "tokens", "pos"):
+        assert torch.equal(getattr(op.routing, name), getattr(r, name)), name
+
+
 def _w13(w):
     return w.w13_codes, w.w13_scales, w.w13_sdec
 

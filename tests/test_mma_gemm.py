@@ -46,9 +46,10 @@ def test_weights_and_activations_meet_in_the_same_k_slot():
         assert set((k_w[slots] // 32).tolist()) == {t}
 
 
-# (block_t, num_warps, row_groups, chunks, prefetch)
+# (block_t, num_warps, row_groups, chunks, prefetch[, weight_loads])
 EXTRA_TILES = [(8, 4, 1, 1, False), (8, 8, 2, 2, False), (16, 4, 1, 2, False), (16, 8, 1, 1, False), (8, 4, 2, 1, True),
-               (16, 4, 1, 1, True), (8, 4, 1, 4, False)]  # fmt: skip
+               (16, 4, 1, 1, True), (8, 4, 1, 4, False), (8, 4, 1, 8, False), (8, 4, 4, 2, False),
+               (8, 8, 2, 4, False, "cg"), (8, 4, 2, 2, False, "evict_first")]  # fmt: skip
 
 
 def shipped_and_extra_tiles() -> list[MmaConfig]:
@@ -76,7 +77,10 @@ def test_kernel_compiles_for_sm90_streaming_registers_only(k):
         chunks = 1 if t.prefetch else r["chunks"]
         assert r["hmma_shape"] == ["16816"] and r["loop_hmma"] == 8 * chunks * t.row_groups * t.block_t // 8, r
         # code bytes and activations arrive by 16-byte loads (scale bytes by 2), straight into registers
-        assert r["loop_loads"] == ["128", "U16"] and r["loop_shared"] == 0 and r["smem"] == 0, r
+        assert r["loop_shared"] == 0 and r["smem"] == 0, r
+        want = {"default": ("LDG.E.128", "LDG.E.U16"), "cg": ("LDG.E.128.STRONG.GPU", "LDG.E.U16.STRONG.GPU"),
+                "evict_first": ("LDG.E.EF.128", "LDG.E.EF.U16")}[t.weight_loads]  # the weights' cache hint
+        assert set(r["loop_load_ops"]) == {"LDG.E.128", *want}, r  # activations: 16 bytes, no hint
         assert r["spills"] == 0, r
         # decode (11 per 8 weights), scale (1 per 2), loads, MMAs and the loop: under 3 instructions a weight
         # (the Triton and Gluon wgmma GEMMs: 3.6); a register pipeline adds moves at 16 token rows
@@ -97,7 +101,8 @@ def test_every_tuned_tile_runs_where_its_rule_picks_it():
                     cfg = mm.fit_rows(MmaConfig(**rule["tile"]), n)
                     assert cfg.block_t == rule["tile"]["block_t"]
                     chunks = mm.fit_tile(cfg, n, k)
-                    assert chunks in (1, 2, 4) and chunks <= cfg.chunks and (k // 128) % chunks == 0, (rows, k, n)
+                    assert chunks in tile_configs.MMA_CHUNKS and chunks <= cfg.chunks, (rows, k, n)
+                    assert (k // 128) % chunks == 0, (rows, k, n)
 
 
 def test_host_refuses_what_the_kernel_cannot_run():
@@ -109,6 +114,11 @@ def test_host_refuses_what_the_kernel_cannot_run():
     assert mm.fit_tile(MmaConfig(chunks=2), 2048, 384) == 1  # 3 chunks: one per k-step
     assert mm.fit_tile(MmaConfig(chunks=4), 2048, 768) == 2  # 6 chunks: 2 per k-step
     assert mm.fit_tile(MmaConfig(chunks=4), 2048, 2048) == 4
+    assert mm.fit_tile(MmaConfig(chunks=8), 2048, 768) == 2 and mm.fit_tile(MmaConfig(chunks=8), 2048, 2048) == 8
+    with pytest.raises(KernelConfigError, match="chunks one of"):
+        MmaConfig(chunks=3)
+    with pytest.raises(KernelConfigError, match="weight_loads"):
+        MmaConfig(weight_loads="cs")
     assert not mm.usable(torch.device("cpu"), 2048, 768)
     x = torch.randn(4, 256).bfloat16()
     w = (torch.zeros(2, 64, 128, dtype=torch.uint8), torch.zeros(2, 64, 16, dtype=torch.uint8), torch.ones(2))

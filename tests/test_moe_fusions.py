@@ -183,6 +183,49 @@ def test_route_kernel_equals_the_torch_routing(t, k, e, dtype):
     assert torch.equal(r.tokens, order // k) and torch.equal(r.pos, pos)
 
 
+@pytest.mark.parametrize("t,k,e,bm", [(16, 8, 128, 8), (5, 2, 4, 16), (40, 8, 16, 32), (3, 4, 8, 1), (300, 8, 96, 16)])
+def test_route_kernel_writes_the_row_tiles(t, k, e, bm):
+    """route(tile_rows=bm): each expert's program writes its own row tiles and the foreign program the empty
+    ones past the last: the table tile_map makes from the routing's offs, entry for entry; the routing is
+    the plain kernel's."""
+    from quads_megatron.kernels import route as route_kernel
+
+    g = torch.Generator().manual_seed(t + k + e + bm)
+    ids = torch.randint(-1, e + 1, (t, k), generator=g)
+    ids[:, 0] = 1  # one expert with several tiles
+    plain, r = route_kernel.route(ids, e), route_kernel.route(ids, e, tile_rows=bm)
+    assert plain.tiles is None and r.tiles.block_rows == bm and r.tiles.rows == ids.numel()
+    for name in ("order", "offs", "valid", "tokens", "pos"):
+        assert torch.equal(getattr(r, name), getattr(plain, name)), name
+    p = row_tiles.RowTiles.count(ids.numel(), bm, e)
+    assert r.tiles.table.tolist() == _tile_map_reference(r.offs.tolist(), bm, p)
+
+
+@pytest.mark.parametrize("rac", [False, True])
+def test_routing_in_the_activation_launch(rac):
+    """activation_operand(route=(ids, E, rows)): E + 1 extra programs of fc1's quantization launch route the
+    block and write its row tiles; operand, routing and tiles equal those of the separate launches."""
+    from quads_megatron.kernels import route as route_kernel
+
+    g = torch.Generator().manual_seed(3)
+    e, t = 12, 9
+    ids = torch.randint(0, e, (t, 4), generator=g)
+    ids[2, 1] = -1  # a foreign slot
+    x = (torch.randn(t, K, generator=g) * 3).bfloat16()
+    dyn = 32 if rac else 0
+    plain = act_quant.activation_operand(x, dynamic_channels=dyn)
+    op = act_quant.activation_operand(x, dynamic_channels=dyn, route=(ids, e, 8))
+    assert torch.equal(op.values, plain.values) and torch.equal(op.global_decode, plain.global_decode)
+    want = route_kernel.route(ids, e, tile_rows=8)
+    for name in ("order", "offs", "valid", "tokens", "pos"):
+        assert torch.equal(getattr(op.routing, name), getattr(want, name)), name
+    assert torch.equal(op.tiles.table, want.tiles.table) and op.tiles.block_rows == 8
+    with pytest.raises(ValueError, match="not both"):
+        act_quant.activation_operand(x, route=(ids, e, 8), row_tiles=(want.offs, 8, ids.numel()))
+    with pytest.raises(ValueError, match=r"topk ids must be \[T=9, k\]"):
+        act_quant.activation_operand(x, route=(ids[:-1], e, 8))
+
+
 def test_route_kernel_refuses_what_it_cannot_route():
     from quads_megatron.kernels import route as route_kernel
 

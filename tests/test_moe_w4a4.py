@@ -87,9 +87,9 @@ def test_triton_path_matches_reference(rac, dtype):
 
 
 def test_fc2_builds_its_own_row_tiles_where_its_tiles_differ(monkeypatch):
-    """fc1's quantization launch writes the row tiles both GEMMs share; where fc2's GEMM runs other
-    tiles (here forced: 32-row tiles for K=INTER), fc2's quantization launch writes its own, and the
-    block is the same bit for bit."""
+    """fc1's quantization launch (which also routes, at decode sizes) writes the row tiles both GEMMs share;
+    where fc2's GEMM runs other tiles (here forced: 32-row tiles for K=INTER), fc2's quantization launch
+    writes its own, and the block is the same bit for bit."""
     weights, _, _ = experts()
     x, ids, tw = routing()
     shared = moe_w4a4(x, ids, tw, weights, impl="triton")
@@ -102,10 +102,12 @@ def test_fc2_builds_its_own_row_tiles_where_its_tiles_differ(monkeypatch):
     launches = []
     operand = act_quant.activation_operand
     monkeypatch.setattr(
-        act_quant, "activation_operand", lambda *a, **kw: launches.append(kw["row_tiles"]) or operand(*a, **kw)
+        act_quant, "activation_operand", lambda *a, **kw: launches.append(kw) or operand(*a, **kw)
     )
     assert torch.equal(moe_w4a4(x, ids, tw, weights, impl="triton"), shared)
-    assert [t if t is None else t[1:] for t in launches] == [(16, T * TOPK), (32, T * TOPK)]
+    fc1, fc2 = launches
+    assert fc1["route"][1:] == (E, 16) and fc1["route"][0] is ids and "row_tiles" not in fc1
+    assert fc2["row_tiles"][1:] == (32, T * TOPK)
 
 
 def test_rac_brings_the_moe_block_closer_to_the_trainer():

@@ -29,6 +29,7 @@ from quads_megatron.kernels.fp4_device import (
     round_bf16,
 )
 from quads_megatron.kernels.pdl import wait_then_release
+from quads_megatron.kernels.route import Routing, route_launch, route_program
 from quads_megatron.kernels.row_tiles import RowTiles, tile_map_chunk
 from quads_megatron.kernels.tile_configs import ActQuantConfig, act_quant_config
 from quads_megatron.nvfp4 import NVFP4Recipe, NVFP4Tensor
@@ -223,12 +224,18 @@ def _act_quant_kernel(
     sdec_ptr,
     offs_ptr,
     tmap_ptr,
+    rids_ptr,
+    rorder_ptr,
+    rpos_ptr,
+    rtokens_ptr,
+    rvalid_ptr,
     M,
     stride_xm,
     n_sel,
     n_tm,
     E,
     P,
+    R_N,
     K: tl.constexpr,
     STATIC: tl.constexpr,
     HAS_RES: tl.constexpr,
@@ -247,12 +254,27 @@ def _act_quant_kernel(
     TM_BM: tl.constexpr,
     TM_BLOCK_E: tl.constexpr,
     TM_BLOCK_P: tl.constexpr,
+    HAS_ROUTE: tl.constexpr,
+    R_TOPK: tl.constexpr,
+    R_BLOCK: tl.constexpr,
+    R_NB: tl.constexpr,
+    R_HISTOGRAM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """HAS_TM: programs 0 .. n_tm - 1 write a GEMM's row-tile table (tile_map of offs: E experts, P tiles
-    of TM_BM rows) next to the quantization, in the same launch; the others quantize BLOCK_M rows each."""
+    of TM_BM rows) next to the quantization, in the same launch. HAS_ROUTE: instead, programs 0 .. E route
+    the R_N (token, slot) pairs of rids (route.route_program) and write that table from the routing; the
+    others quantize BLOCK_M rows each."""
     wait_then_release(PDL)
     pid = tl.program_id(0)
+    if HAS_ROUTE:
+        if pid <= E:
+            route_program(
+                rids_ptr, rorder_ptr, rpos_ptr, rtokens_ptr, rvalid_ptr, offs_ptr, tmap_ptr, R_N, E, P, pid,
+                R_TOPK, R_BLOCK, R_NB, R_HISTOGRAM, True, TM_BM,
+            )  # fmt: skip
+            return
+        pid -= E + 1
     if HAS_TM:
         if pid < n_tm:
             tile_map_chunk(offs_ptr, tmap_ptr, E, P, pid, TM_BM, TM_BLOCK_E, TM_BLOCK_P)
@@ -359,13 +381,15 @@ class ActivationOperand:
         odd elements of each row (gemm_triton.grouped_w4a4); order "wgmma": [M, K] permuted inside each
         128-chunk as gemm_wgmma_launch.operand_permutation (the Gluon Hopper GEMM).
     global_decode: S_dec [M, 1] of the per-token (or static) global scale.
-    tiles: the row tiles of a grouped GEMM, where asked for (activation_operand(row_tiles=...)).
+    tiles: the row tiles of a grouped GEMM, where asked for (activation_operand(row_tiles=... or route=...)).
+    routing: the MoE routing the same launch made (activation_operand(route=...)), else None.
     """
 
     values: torch.Tensor
     global_decode: torch.Tensor
     order: str = "pairs"
     tiles: RowTiles | None = None
+    routing: Routing | None = None
 
 
 _TM_BLOCK_P = 32  # row tiles per tile-map program inside the activation launch ([32, E] compares per program)
@@ -385,8 +409,11 @@ def _launch_act_quant(
     order: str = "pairs",
     row_tiles: tuple[torch.Tensor, int, int] | None = None,
     recipe: NVFP4Recipe | None = None,
+    route: tuple[torch.Tensor, int, int] | None = None,
 ) -> QuantizedActivation | ActivationOperand:
     recipe = nvfp4._recipe(recipe)
+    if route is not None and row_tiles is not None:
+        raise ValueError("route= writes the row tiles itself: pass route= or row_tiles=, not both")
     if order not in ("pairs", "wgmma"):
         raise ValueError(f"operand order must be 'pairs' or 'wgmma', got {order!r}")
     if config is not None and not isinstance(config, ActQuantConfig):
@@ -436,6 +463,17 @@ def _launch_act_quant(
         mask = plan.block_mask(dev).to(torch.int8)
     amax = static_amax.detach().float().reshape(1).to(dev) if static_amax is not None else sdec
     tiles, offs, n_tm, e_count, tm_block_e = None, sdec, 0, 0, 2
+    rl, n_route = None, 0
+    if route is not None:  # routing and its row tiles by E + 1 extra programs of this launch
+        topk_ids, e_count, block_rows = route
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != m or gated:
+            raise ValueError(
+                f"route=: topk ids must be [T={m}, k] for a per-token (not gated) x, got {tuple(topk_ids.shape)}"
+            )
+        rl = route_launch(topk_ids.to(dev), e_count, block_rows)
+        if rl.args[0] == 0:
+            raise ValueError("route=: no (token, slot) pairs to route")
+        tiles, offs, n_route = rl.tiles, rl.routing.offs, e_count + 1
     if row_tiles is not None:  # the GEMM's row-tile table, written by extra programs of this launch
         offs, block_rows, rows = row_tiles
         offs = offs.to(device=dev, dtype=torch.int32)
@@ -443,7 +481,8 @@ def _launch_act_quant(
         table = torch.empty((RowTiles.count(rows, block_rows, e_count), 4), dtype=torch.int32, device=dev)
         tiles = RowTiles(table, block_rows, rows)
         n_tm = triton.cdiv(tiles.table.shape[0], _TM_BLOCK_P)
-    _act_quant_kernel[(n_tm + triton.cdiv(m, block_m),)](
+    r_ptrs = rl.pointers[:5] if rl is not None else (sdec,) * 5
+    _act_quant_kernel[(n_route + n_tm + triton.cdiv(m, block_m),)](
         x,
         x if row_valid is None else row_valid.view(torch.int8),
         amax,
@@ -456,12 +495,14 @@ def _launch_act_quant(
         sdec,
         offs,
         sdec if tiles is None else tiles.table,
+        *r_ptrs,
         m,
         x.stride(0),
         n_sel,
         n_tm,
         e_count,
         0 if tiles is None else tiles.table.shape[0],
+        0 if rl is None else rl.args[0],
         K=k,
         STATIC=static_amax is not None,
         HAS_RES=has_res,
@@ -476,17 +517,22 @@ def _launch_act_quant(
         E4M3_MAX=float(recipe.e4m3_max),
         BLOCK_M=block_m,
         BLOCK_K=block_k,
-        HAS_TM=tiles is not None,
+        HAS_TM=n_tm > 0,
         TM_BM=1 if tiles is None else tiles.block_rows,
         TM_BLOCK_E=tm_block_e,
         TM_BLOCK_P=_TM_BLOCK_P,
+        HAS_ROUTE=rl is not None,
+        R_TOPK=1 if rl is None else rl.consts["TOPK"],
+        R_BLOCK=16 if rl is None else rl.consts["BLOCK"],
+        R_NB=2 if rl is None else rl.consts["NB"],
+        R_HISTOGRAM=True if rl is None else rl.consts["HISTOGRAM"],
         num_warps=num_warps,
         enable_fp_fusion=False,  # keep x - (v*s_b)*S_dec rounded as the torch reference does
         **pdl.launch_options(dev),
     )
     g = sdec.reshape(m, 1)
     if operand:
-        return ActivationOperand(op, g, order, tiles)
+        return ActivationOperand(op, g, order, tiles, None if rl is None else rl.result())
     xq = NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), g)
     res = NVFP4Tensor(rcodes, rscales.view(torch.float8_e4m3fn), g) if has_res else None
     return QuantizedActivation(xq, res)
@@ -509,9 +555,7 @@ def quantize_activation(
     the plan's int8 [K/16] mask already on the device (no host-to-device copy, e.g. inside CUDA-graph
     capture). recipe: the activations' NVFP4 variant (None: plain).
     """
-    return _launch_act_quant(
-        x, plan, static_amax, config, check, block_mask, False, dynamic_channels, recipe=recipe
-    )
+    return _launch_act_quant(x, plan, static_amax, config, check, block_mask, False, dynamic_channels, recipe=recipe)
 
 
 def activation_operand(
@@ -527,6 +571,7 @@ def activation_operand(
     order: str = "pairs",
     row_tiles: tuple[torch.Tensor, int, int] | None = None,
     recipe: NVFP4Recipe | None = None,
+    route: tuple[torch.Tensor, int, int] | None = None,
 ) -> ActivationOperand:
     """Quantize x like quantize_activation, but emit the GEMM's decoded fp16 operand instead of codes
     (same arguments): the GEMM then decodes only the weights, and RAC costs it nothing.
@@ -538,6 +583,9 @@ def activation_operand(
     row_tiles: (offs int32 [E], block_rows, rows): the same launch also writes the RowTiles of a grouped
     GEMM over offs' rows (returned as .tiles, for the GEMMs' tiles= argument).
     recipe: the activations' NVFP4 variant (None: plain).
+    route: (topk_ids [T, k], E, block_rows): the same launch also routes the MoE block (route.route: returned
+    as .routing, T * k <= route.ROUTE_MAX_ROWS) and writes its grouped rows' RowTiles (.tiles); x is then the
+    block's per-token input (routing and fc1's quantization do not depend on each other).
     """
     return _launch_act_quant(
         x,
@@ -553,4 +601,5 @@ def activation_operand(
         order,
         row_tiles,
         recipe,
+        route,
     )

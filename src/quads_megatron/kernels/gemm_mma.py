@@ -124,6 +124,7 @@ def w4a4_mma_kernel(
     X_LAYOUT: gl.constexpr,
     C16_LAYOUT: gl.constexpr,
     PREFETCH: gl.constexpr,
+    WEIGHT_LOADS: gl.constexpr,
     WORDS_LAYOUT: gl.constexpr,
     PDL: gl.constexpr,
 ):
@@ -163,6 +164,10 @@ def w4a4_mma_kernel(
         tok = xr.to(gl.int64)
     x_ptrs = a_ptr + (tok * K)[:, None, None] + (xs * (K // 2))[None, :, None] + xp[None, None, :]
 
+    # weight bytes are read once: WEIGHT_LOADS "cg" bypasses L1, "evict_first" marks them first out of it, which
+    # leaves it to the activations every warp and every CTA of the expert re-reads
+    W_CACHE: gl.constexpr = ".cg" if WEIGHT_LOADS == "cg" else ""
+    W_EVICT: gl.constexpr = "evict_first" if WEIGHT_LOADS == "evict_first" else ""
     acc = gl.zeros([BN, BT], gl.float32, layout=mma)
     if PREFETCH:  # the next chunk's loads in flight under this one's decode; codes carried as int32 words
         wl: gl.constexpr = WORDS_LAYOUT
@@ -171,13 +176,13 @@ def w4a4_mma_kernel(
         ww = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
         w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         cw_ptrs = w32 + (wr2 * (K // 8))[:, None, None] + (wt * 4)[None, :, None] + ww[None, None, :]
-        cw = gl.load(cw_ptrs)
-        s = gl.load(s_ptrs)
+        cw = gl.load(cw_ptrs, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+        s = gl.load(s_ptrs, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
         x = gl.load(x_ptrs)
         for j in range(NK * KC):
             nj = gl.minimum(j + 1, NK * KC - 1)  # the last chunk reloads itself
-            cw_n = gl.load(cw_ptrs + nj * 16)
-            s_n = gl.load(s_ptrs + nj * 8)
+            cw_n = gl.load(cw_ptrs + nj * 16, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+            s_n = gl.load(s_ptrs + nj * 8, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
             x_n = gl.load(x_ptrs + nj * 64)
             c16 = gl.convert_layout(_bytes(cw), C16_LAYOUT, assert_trivial=True)
             c = gl.convert_layout(gl.reshape(c16, [BN, 8, 8]), CODES_LAYOUT, assert_trivial=True)
@@ -189,9 +194,9 @@ def w4a4_mma_kernel(
         for j in range(NK):
             for ch in gl.static_range(KC):  # unrolled: the step's loads are issued ahead of its decodes
                 cc = j * KC + ch
-                c = gl.reshape(gl.load(c_ptrs + cc * 64), [BN, 8, 8])
-                c = gl.convert_layout(c, CODES_LAYOUT, assert_trivial=True)
-                s = gl.load(s_ptrs + cc * 8)
+                c = gl.load(c_ptrs + cc * 64, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+                c = gl.convert_layout(gl.reshape(c, [BN, 8, 8]), CODES_LAYOUT, assert_trivial=True)
+                s = gl.load(s_ptrs + cc * 8, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
                 x = gl.load(x_ptrs + cc * 64)
                 acc = mma_v2(decode_weights(c, s, BN, a_layout), _activations(x, BT, b_layout), acc)
 

@@ -305,6 +305,7 @@ def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False) -> dict:
         X_LAYOUT=dev.activation_layout(t.num_warps, t.block_t),
         C16_LAYOUT=dev.codes16_layout(t.num_warps, t.row_groups),
         PREFETCH=t.prefetch,
+        WEIGHT_LOADS=t.weight_loads,
         WORDS_LAYOUT=dev.words_layout(t.num_warps, t.row_groups),
     )
     signature = {**_SIGNATURE, **dict.fromkeys(consts, "constexpr")}
@@ -323,6 +324,7 @@ def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False) -> dict:
         "hmma_shape": sorted(set(re.findall(r"HMMA\.(\d+)\.F32", "\n".join(lines)))),
         "loop_hmma": sum(1 for ln in loop if "HMMA" in ln),
         "loop_loads": sorted(set(re.findall(r"\bLDG\.E(?:\.(\w+))?", "\n".join(loop)))),
+        "loop_load_ops": sorted(set(re.findall(r"\bLDG\.E[.\w]*", "\n".join(loop)))),
         "loop_shared": sum(1 for ln in loop if re.search(r"\b(?:LDS|STS|LDSM|BAR)\b", ln)),
         "spills": sum(1 for ln in lines if re.search(r"\b(?:STL|LDL)(?:\.\w+)*\s", ln)),
         "regs": registers_per_thread(compiled.asm["cubin"]),

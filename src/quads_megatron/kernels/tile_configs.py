@@ -133,26 +133,36 @@ class WgmmaConfig:
 class MmaConfig:
     """Tiles of the decode-size Gluon GEMM (gemm_mma_launch.grouped_w4a4_mma): block_t token rows per tile
     (mma.sync's N, 8 or 16), num_warps warps of row_groups x 16 weight rows each, chunks 128-K chunks
-    loaded per k-step (fewer where K's chunks do not divide by it); prefetch: instead, one chunk per step
-    with the next chunk's loads issued before this one's decode (a register pipeline)."""
+    loaded per k-step (fewer where K's chunks do not divide by it: gemm_mma_launch.fit_tile); prefetch:
+    instead, one chunk per step with the next chunk's loads issued before this one's decode (a register
+    pipeline); weight_loads: the cache hint of the weight codes' and scales' loads (read once): "default",
+    "cg" (bypass L1) or "evict_first" (first out of L1), leaving L1 to the activations every warp re-reads."""
 
     block_t: int = 8
     num_warps: int = 4
     row_groups: int = 1
     chunks: int = 2
     prefetch: bool = False
+    weight_loads: str = "default"
 
     def __post_init__(self) -> None:
         _check_ints(self, ("block_t", "num_warps", "row_groups", "chunks"))
         if not isinstance(self.prefetch, bool):
             raise KernelConfigError(f"MmaConfig.prefetch must be a bool, got {self.prefetch!r}")
+        if self.weight_loads not in ("default", "cg", "evict_first"):
+            raise KernelConfigError(f"MmaConfig.weight_loads={self.weight_loads!r}: 'default', 'cg' or 'evict_first'")
         if self.block_t not in (8, 16):
             raise KernelConfigError(f"MmaConfig.block_t={self.block_t}: 8 or 16")
-        if self.num_warps not in (4, 8) or self.row_groups not in (1, 2) or self.chunks not in (1, 2, 4):
+        if self.num_warps not in (4, 8) or self.row_groups not in (1, 2, 4) or self.chunks not in MMA_CHUNKS:
             raise KernelConfigError(
                 f"MmaConfig num_warps={self.num_warps}, row_groups={self.row_groups}, chunks={self.chunks}: "
-                "4 or 8 warps, 1 or 2 row groups, 1, 2 or 4 chunks"
+                f"4 or 8 warps, 1, 2 or 4 row groups, chunks one of {MMA_CHUNKS}"
             )
+
+
+#: 128-K chunks per k-step the decode-size GEMM can take (fit_tile: the largest dividing K's chunks; 3 of
+#: K = 768's 6 chunks spilled at 4 warps, Triton 3.6 sm_90)
+MMA_CHUNKS = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)

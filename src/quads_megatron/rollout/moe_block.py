@@ -195,14 +195,12 @@ def moe_w4a4(
     from quads_megatron.kernels import combine as combine_kernel
     from quads_megatron.kernels import route as route_kernel
 
-    if topk_ids.numel() <= route_kernel.ROUTE_MAX_ROWS:  # decode sizes: one launch instead of a dozen
-        r = route_kernel.route(topk_ids, weights.num_experts)
-        order, offs, valid, tokens, pos = r.order, r.offs, r.valid, r.tokens, r.pos
-    else:
+    routing = None  # decode sizes: routed by extra programs of fc1's quantization launch (kernels/route.py)
+    if topk_ids.numel() > route_kernel.ROUTE_MAX_ROWS:
         order, offs, valid = route(topk_ids, weights.num_experts)
-        tokens, pos = order // topk_ids.shape[1], None
-    y2 = _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, impl, recipe)
-    return combine_kernel.combine(y2, order, topk_ids, topk_weights, weights.num_experts, x.dtype, pos)
+        routing = route_kernel.Routing(order, offs, valid, order // topk_ids.shape[1], None)
+    y2, routing = _experts_triton(x, topk_ids, routing, weights, rac, static_amax, activation, check, impl, recipe)
+    return combine_kernel.combine(y2, routing.order, topk_ids, topk_weights, weights.num_experts, x.dtype, routing.pos)
 
 
 def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation, recipe):
@@ -307,19 +305,27 @@ def _gemm_operand(a, g: GemmRAC, amax, order: str, recipe, **kw):
     )
 
 
-def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activation, check, gemm, recipe):
+def _experts_triton(x, topk_ids, routing, weights, rac, static_amax, activation, check, gemm, recipe):
     """fc1 reads the per-token operand through the grouped rows' token index (no gathered copy);
     SiLU(gate) * up and the foreign-row mask are fused into fc2's activation quantization. fc1's
     quantization launch also writes the GEMMs' row-tile table, shared by fc2 where its tiles are as
-    tall (no launch of its own). gemm: 'triton', 'mma' (both read the "pairs" operand) or 'wgmma'
-    (operands in the Gluon Hopper kernel's order)."""
+    tall (no launch of its own), and, where routing is None, routes topk_ids itself (kernels/route.py:
+    routing and fc1's quantization do not depend on each other). gemm: 'triton', 'mma' (both read the
+    "pairs" operand) or 'wgmma' (operands in the Gluon Hopper kernel's order). -> (fc2's output, the
+    routing)."""
     g1, g2 = rac.fc1, rac.fc2
     order = "wgmma" if gemm == "wgmma" else "pairs"
-    rows, h, i = tokens.numel(), weights.hidden, weights.intermediate
+    rows, h, i = topk_ids.numel(), weights.hidden, weights.intermediate
     cfg1, bt1 = _gemm_config(rows, 2 * i, h, gemm, x.dtype, x.device)
     cfg2, bt2 = _gemm_config(rows, h, i, gemm, x.dtype, x.device)
 
-    op = _gemm_operand(x, g1, static_amax[0], order, recipe, check=check, row_tiles=(offs, bt1, rows))  # per token
+    if routing is None:
+        route_args = (topk_ids, weights.num_experts, bt1)
+        op = _gemm_operand(x, g1, static_amax[0], order, recipe, check=check, route=route_args)
+        routing = op.routing
+    else:
+        op = _gemm_operand(x, g1, static_amax[0], order, recipe, check=check, row_tiles=(routing.offs, bt1, rows))
+    tokens, offs, valid = routing.tokens, routing.offs, routing.valid
     w13 = (weights.w13_codes, weights.w13_scales, weights.w13_sdec)
     y1 = _expert_gemm(op, offs, *w13, x.dtype, cfg1, a_rows=tokens, tiles=op.tiles)
     # of gated_activation(y1), zero on foreign rows; finite by construction
@@ -329,4 +335,4 @@ def _experts_triton(x, tokens, offs, valid, weights, rac, static_amax, activatio
     )
     tiles2 = op.tiles if bt2 == bt1 else op2.tiles
     w2 = (weights.w2_codes, weights.w2_scales, weights.w2_sdec)
-    return _expert_gemm(op2, offs, *w2, x.dtype, cfg2, tiles=tiles2)
+    return _expert_gemm(op2, offs, *w2, x.dtype, cfg2, tiles=tiles2), routing
