@@ -5,14 +5,13 @@ python dev/probe_block_pieces.py [--tokens 16,64,256] [--rac none,dyn50] [--out 
 python dev/probe_block_pieces.py --dry-run      (CPU, TRITON_INTERPRET=1: tiny shapes, the pieces' outputs
                                                  checked against the whole block, no timing)
 
-moe_w4a4(impl='auto') is a chain of launches: routing with fc1's activation quantization (one launch at
-decode sizes: the routing and row-tile programs beside the quantization's), fc1, fc2's gated quantization,
-fc2 and the top-k combine. Each is captured and timed alone on
+moe_w4a4(impl='auto') is a chain of launches: routing, fc1's activation quantization (with the row-tile
+programs), fc1, fc2's gated quantization, fc2 and the top-k combine; with QUADS_FUSED_ROUTING=1 the
+routing runs as extra programs of fc1's quantization launch (route_fc1_quant). Each is captured and timed alone on
 the inputs the chain gives it, next to the whole block: the pieces' sum minus the block is what the chain
 overlaps (PDL) or adds (launch gaps). The pieces mirror rollout.moe_block._experts_triton; the check that
-their output equals the block's, bit for bit, keeps them in step with it. Also timed, outside the sum:
-the routing and fc1's quantization as the two launches they were before 2026-12-06 (route_alone,
-fc1_quant_alone).
+their output equals the block's, bit for bit, keeps them in step with it. The first launch(es) the
+block does not run are timed too, outside the sum (the fused routing's A/B).
 """
 
 from __future__ import annotations
@@ -32,8 +31,8 @@ from quads_megatron.kernels import combine as combine_kernel  # noqa: E402
 from quads_megatron.kernels import route  # noqa: E402
 from quads_megatron.rollout import moe_block as moe  # noqa: E402
 
-PIECES = ("route_fc1_quant", "fc1", "fc2_quant", "fc2", "combine")
-APART = ("route_alone", "fc1_quant_alone")  # the first piece as two launches (not in the sum)
+FIRST = {True: ("route_fc1_quant",), False: ("route", "fc1_quant")}  # by moe.fused_routing()
+PIECES = ("fc1", "fc2_quant", "fc2", "combine")  # after the first launch(es)
 
 
 def pieces(t: dict, weights: moe.ExpertWeights, rac: moe.LayerRAC) -> dict:
@@ -54,8 +53,10 @@ def pieces(t: dict, weights: moe.ExpertWeights, rac: moe.LayerRAC) -> dict:
     def op1_alone():
         return moe._gemm_operand(x, rac.fc1, None, order_kind, None, check=False, row_tiles=(r.offs, bt1, rows))
 
-    a1 = op1()
+    a1 = op1() if moe.fused_routing() else op1_alone()
     for name in ("order", "offs", "valid", "tokens", "pos"):
+        if a1.routing is None:
+            break
         assert torch.equal(getattr(a1.routing, name), getattr(r, name)), name
     w13 = (weights.w13_codes, weights.w13_scales, weights.w13_sdec)
     w2 = (weights.w2_codes, weights.w2_scales, weights.w2_sdec)
@@ -83,8 +84,8 @@ def pieces(t: dict, weights: moe.ExpertWeights, rac: moe.LayerRAC) -> dict:
 
     return {
         "route_fc1_quant": op1,
-        "route_alone": lambda: route.route(ids, weights.num_experts),
-        "fc1_quant_alone": op1_alone,
+        "route": lambda: route.route(ids, weights.num_experts),
+        "fc1_quant": op1_alone,
         "fc1": fc1,
         "fc2_quant": op2,
         "fc2": fc2,
@@ -125,9 +126,11 @@ def main(argv: list[str] | None = None) -> int:
                 row["block_us"] = bmb.time_us(fn, True, args.rep_ms)
                 for name in PIECES:
                     row[f"{name}_us"] = bmb.time_us(p[name], True, args.rep_ms)
-                row["sum_us"] = sum(row[f"{k}_us"] for k in PIECES)
-                for name in APART:
+                fused = moe.fused_routing()
+                for name in FIRST[True] + FIRST[False]:
                     row[f"{name}_us"] = bmb.time_us(p[name], True, args.rep_ms)
+                row["fused_routing"] = fused
+                row["sum_us"] = sum(row[f"{k}_us"] for k in FIRST[fused] + PIECES)
             out["rows"].append(row)
             print(json.dumps(row), flush=True)
     if args.out:

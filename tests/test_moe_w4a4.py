@@ -93,6 +93,8 @@ def test_fc2_builds_its_own_row_tiles_where_its_tiles_differ(monkeypatch):
     weights, _, _ = experts()
     x, ids, tw = routing()
     shared = moe_w4a4(x, ids, tw, weights, impl="triton")
+    monkeypatch.setenv("QUADS_FUSED_ROUTING", "1")
+    assert torch.equal(moe_w4a4(x, ids, tw, weights, impl="triton"), shared)  # routed in fc1's launch: same bits
     config = tile_configs.triton_gemm_config
     monkeypatch.setattr(
         tile_configs,

@@ -17,6 +17,7 @@ contribute nothing. The top-k sum runs in a fixed order (no atomics): same input
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -195,12 +196,21 @@ def moe_w4a4(
     from quads_megatron.kernels import combine as combine_kernel
     from quads_megatron.kernels import route as route_kernel
 
-    routing = None  # decode sizes: routed by extra programs of fc1's quantization launch (kernels/route.py)
+    routing = None  # fused_routing: routed by extra programs of fc1's quantization launch (kernels/route.py)
     if topk_ids.numel() > route_kernel.ROUTE_MAX_ROWS:
         order, offs, valid = route(topk_ids, weights.num_experts)
         routing = route_kernel.Routing(order, offs, valid, order // topk_ids.shape[1], None)
+    elif not fused_routing():  # decode sizes: the routing kernel's own launch
+        routing = route_kernel.route(topk_ids, weights.num_experts)
     y2, routing = _experts_triton(x, topk_ids, routing, weights, rac, static_amax, activation, check, impl, recipe)
     return combine_kernel.combine(y2, routing.order, topk_ids, topk_weights, weights.num_experts, x.dtype, routing.pos)
+
+
+def fused_routing() -> bool:
+    """Whether the kernel paths route decode-size batches inside fc1's quantization launch (one launch fewer)
+    instead of in the routing kernel's own: QUADS_FUSED_ROUTING=1. Off by default until timed and checked on a
+    GPU (its histogram runs there only; the CPU tests run its one-hot twin); the outputs are the same bits."""
+    return os.environ.get("QUADS_FUSED_ROUTING", "0") == "1"
 
 
 def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation, recipe):
