@@ -2,13 +2,14 @@
 
 A stable counting sort with one program per expert and one for the foreign pairs (ids outside [0, E),
 e.g. -1 from SGLang's expert parallelism, grouped last in slot order). Program e counts the pairs of
-every expert (a histogram: its first grouped row), then places its own pairs in slot order by a prefix
-sum over each chunk. Same outputs, bit for bit, as the torch path (about a dozen small launches), plus
-what the block needs next (each row's token, each slot's row) and, if asked, the GEMMs' row-tile table
-(row_tiles.tile_map's entries: program e writes its expert's tiles). Every program reads all T*k ids
-twice, so the kernel suits decode-sized batches (ROUTE_MAX_ROWS); above that the torch sort is used.
-route_program is also run by extra programs of the activation quantization's launch (act_quant), so
-that routing and fc1's quantization, which do not depend on each other, take one launch.
+experts before e (its first grouped row), then places its own pairs in slot order by a prefix sum over
+each chunk. Same outputs, bit for bit, as the torch path (about a dozen small launches), plus what the
+block needs next (each row's token, each slot's row) and, if asked, the GEMMs' row-tile table
+(row_tiles.tile_map's entries: program e writes its expert's tiles, from a histogram of all keys).
+Every program reads all T*k ids twice, so the kernel suits decode-sized batches (ROUTE_MAX_ROWS); above
+that the torch sort is used. route_program also runs as extra programs of the activation quantization's
+launch (act_quant), so that routing and fc1's quantization, which do not depend on each other, can take
+one launch (rollout.moe_block.fused_routing).
 """
 
 from __future__ import annotations
@@ -78,15 +79,16 @@ def route_program(
     NB: a power of two > E + 1 (histogram bins of the keys). HAS_TM: also the row-tile table of TM_BM-row
     tiles (row_tiles.tile_map's entries, P of them): program e writes its expert's tiles, program E the
     empty ones past the last tile."""
-    counts = tl.zeros((NB,), tl.int32)
+    before = tl.zeros((), tl.int32)
     b = tl.arange(0, NB)
-    for c in range(0, N, BLOCK):  # pass 1: pairs per key
+    counts = tl.zeros((NB,), tl.int32)  # HAS_TM: pairs per key (for the tile counts)
+    for c in range(0, N, BLOCK):  # pass 1: pairs of earlier keys (local experts < e)
         key = _keys(ids_ptr, c + tl.arange(0, BLOCK), N, E)
-        if HISTOGRAM:
+        before += tl.sum((key < e).to(tl.int32), 0)
+        if HAS_TM and HISTOGRAM:
             counts += tl.histogram(key.to(tl.int32), NB)
-        else:  # the same counts, one-hot (Triton's interpreter histogram fails: int64 data, int32 type)
+        elif HAS_TM:  # the same counts, one-hot (Triton's interpreter histogram fails: int64 data, int32 type)
             counts += tl.sum((key[:, None] == b[None, :]).to(tl.int32), 0)
-    before = tl.sum(tl.where(b < e, counts, 0), 0)  # pairs of earlier keys (local experts < e)
     row = before  # next free grouped row of key e
     for c in range(0, N, BLOCK):  # pass 2: this key's pairs in slot order
         i = c + tl.arange(0, BLOCK)
