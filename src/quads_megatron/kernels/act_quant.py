@@ -414,6 +414,10 @@ def _launch_act_quant(
     recipe = nvfp4._recipe(recipe)
     if route is not None and row_tiles is not None:
         raise ValueError("route= writes the row tiles itself: pass route= or row_tiles=, not both")
+    if route is not None and (route[0].dim() != 2 or route[0].shape[0] != x.shape[0] or gated):
+        raise ValueError(
+            f"route=: topk ids must be [T={x.shape[0]}, k] for a per-token (not gated) x, got {tuple(route[0].shape)}"
+        )
     if order not in ("pairs", "wgmma"):
         raise ValueError(f"operand order must be 'pairs' or 'wgmma', got {order!r}")
     if config is not None and not isinstance(config, ActQuantConfig):
@@ -466,10 +470,6 @@ def _launch_act_quant(
     rl, n_route = None, 0
     if route is not None:  # routing and its row tiles by E + 1 extra programs of this launch
         topk_ids, e_count, block_rows = route
-        if topk_ids.dim() != 2 or topk_ids.shape[0] != m or gated:
-            raise ValueError(
-                f"route=: topk ids must be [T={m}, k] for a per-token (not gated) x, got {tuple(topk_ids.shape)}"
-            )
         rl = route_launch(topk_ids.to(dev), e_count, block_rows)
         if rl.args[0] == 0:
             raise ValueError("route=: no (token, slot) pairs to route")
