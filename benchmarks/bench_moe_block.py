@@ -51,6 +51,7 @@ ARMS = (
     "ours_rac50_static",
     "ours_torch_route",
     "ours_no_mma",
+    "ours_other_routing",
     "sglang_fp8",
     "sglang_fp8_tuned",
     "sglang_fp8_tensor",
@@ -161,6 +162,8 @@ def markdown(result: dict) -> str:
         "dozen torch ops instead of the one-launch kernel (kernels/route.py), measured in the same run.",
         "'ours, no mma GEMM': the same block with the GEMMs impl='auto' ran before the decode-size GEMM",
         "(kernels/gemm_mma.py): Triton at <= 1024 grouped rows, the Gluon wgmma kernel above (A/B, same run).",
+        "'ours, other routing': the same block with the routing 'ours' does not use (routing: 'fused' = by",
+        "extra programs of fc1's quantization launch, QUADS_FUSED_ROUTING=1; 'own' = the routing kernel's launch).",
         "",
     ]
     shipped = result.get("sglang_tuned_configs") or {}
@@ -191,6 +194,7 @@ def markdown(result: dict) -> str:
     ]
     head += ["RAC50 vs FP8", "RAC50 vs FP8 tuned", "NVFP4 floor", "ours % floor", "FP8 floor", "FP8 % floor"]
     head += ["FP8 tuned % floor", "ours max err", "ours, torch routing", "ours GEMM", "ours, no mma GEMM"]
+    head += ["routing", "ours, other routing"]
     rows = []
     for r in result["rows"]:
         rows.append(
@@ -206,6 +210,7 @@ def markdown(result: dict) -> str:
                 f(r.get("sglang_fp8_pct_floor"), ".0f"), f(r.get("sglang_fp8_tuned_pct_floor"), ".0f"),
                 f(r.get("ours_max_abs_err"), ".2e"),
                 f(r.get("ours_torch_route_us")), r.get("ours_impl", "-"), f(r.get("ours_no_mma_us")),
+                {True: "fused", False: "own"}.get(r.get("fused_routing"), "-"), f(r.get("ours_other_routing_us")),
             ]
         )  # fmt: skip
     lines += bench_env.table(head, rows)
@@ -487,6 +492,17 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
 
     fns = {"ours": ours(), "ours_rac50": ours(rac_dyn), "ours_rac50_static": ours(rac_static)}
     fns["ours_torch_route"] = ours_torch_route
+
+    def ours_other_routing():  # A/B of the fused routing (moe_block.fused_routing): the block with the other one
+        kept = os.environ.get("QUADS_FUSED_ROUTING")
+        os.environ["QUADS_FUSED_ROUTING"] = "0" if row["fused_routing"] else "1"
+        try:
+            return moe.moe_w4a4(t["x"], ids, t["w"], weights, impl="auto", check=False)
+        finally:
+            os.environ.pop("QUADS_FUSED_ROUTING") if kept is None else os.environ.update(QUADS_FUSED_ROUTING=kept)
+
+    row["fused_routing"] = moe.fused_routing()
+    fns["ours_other_routing"] = ours_other_routing
     if cuda:  # A/B of the decode-size GEMM: the GEMMs auto ran without it
         no_mma = moe.gemm_impl(t["x"].device, weights, ids.numel(), mma=False)
         fns["ours_no_mma"] = lambda: moe.moe_w4a4(t["x"], ids, t["w"], weights, impl=no_mma, check=False)
