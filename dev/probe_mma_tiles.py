@@ -5,6 +5,7 @@ kernel where that one is the faster), on the same inputs; every tile's output ch
 python dev/probe_mma_tiles.py [--tokens 16,32,64,128,256] [--budget-s 300] [--write-config]
 (CUDA GPU; CUDA-graph replay medians; fc1 reads its operand by token as moe_w4a4 runs it, fc2 one row per
 grouped row)
+After each GEMM's sweep its 3 best tiles run again on tile_weights' layout (A/B, same bits; --no-tiled: not).
 --write-config: the winning tile of each rule into configs/mma_gemm.json under this GPU's name
 (dev/tile_writer.py), and used_up_to_rows: the largest probed row count up to which the best tiles' fc1 + fc2
 beat the other GEMMs' at every probed count (0 where they lose at the first).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -62,11 +64,35 @@ def _nk(w) -> tuple[int, int]:
     return w[0].shape[1], w[0].shape[2] * 2
 
 
+def tiled_ab(name: str, tokens: int, pairs, offs, a_rows, w, tiles: list[dict]) -> bool:
+    """The best tiles again on gemm_mma_launch.tile_weights' layout (each 16-row group's chunk one contiguous
+    block): its time beside the row-major one's in the same process, and whether the outputs are the same bits."""
+    tw = gemm_mma_launch.tile_weights(w[0], w[1])
+    ok = True
+    for tile in tiles:
+        cfg = MmaConfig(**tile)
+        gemm = functools.partial(gemm_mma_launch.grouped_w4a4_mma, pairs.values, pairs.global_decode, offs)
+        runs = {
+            layout: functools.partial(gemm, *ww, a_rows=a_rows, config=cfg)
+            for layout, ww in (("rows", w), ("tiled", (*tw, w[2])))
+        }
+        same = torch.equal(runs["rows"](), runs["tiled"]())
+        ok &= same
+        us = {k: bench(f) for k, f in runs.items()}
+        print(
+            f"  {name} tokens {tokens} tiled A/B {'/'.join(str(tile.get(f, False)) for f in FIELDS)}: "
+            f"rows {us['rows']:.1f} us, tiled {us['tiled']:.1f} us ({us['rows'] / us['tiled']:.2f}x), same bits {same}",
+            flush=True,
+        )
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="16,32,64,128,256")
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--write-config", action="store_true", help="write the winners into configs/mma_gemm.json")
+    ap.add_argument("--no-tiled", dest="tiled", action="store_false", help="skip the tiled-weights A/B")
     args = ap.parse_args()
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -123,6 +149,8 @@ def main() -> None:
                 + "; ".join(f"{u:.1f} {'/'.join(str(t.get(f, False)) for f in FIELDS)}" for u, t in res[:5]),
                 flush=True,
             )
+            if args.tiled:
+                all_ok &= tiled_ab(name, tokens, pairs, offs, a_rows, w, [t for _, t in res[:3]])
         wins.append((rows, total_best, total_base))
         print(f"tokens {tokens}: fc1 + fc2 mma {total_best:.1f} us vs {total_base:.1f} us", flush=True)
     print("every mma output matches the Triton GEMM:", all_ok, flush=True)

@@ -353,7 +353,8 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
 def test_mma_gemm_matches_the_triton_gemm(layer):
     """Same exact products, fp32 sums in another order: equal to ~1e-7 relative on every tile (row tails past
     the tile, an expert without rows, experts with more rows than a tile, token-indexed and plain rows, bf16
-    and fp32 outputs), and the whole block on the tuned tiles at decode sizes."""
+    and fp32 outputs), the same bits on tile_weights' layout, and the whole block on the tuned tiles at decode
+    sizes."""
     from quads_megatron import nvfp4
     from quads_megatron.kernels import act_quant, gemm_triton, tile_configs
     from quads_megatron.kernels import gemm_mma_launch as mm
@@ -365,6 +366,7 @@ def test_mma_gemm_matches_the_triton_gemm(layer):
     w = gemm_triton.stack_expert_weights(
         [nvfp4.quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02) for _ in range(E)]
     )
+    tiled = (*mm.tile_weights(w[0], w[1]), w[2])  # the same weights, 16-row groups' chunks contiguous
     for t in (5, 37):  # 0-3 rows per expert, and up to ~25 (several 8- and 16-row tiles)
         ids = torch.stack([torch.randperm(E - 1, generator=g, device="cuda")[:TOPK] for _ in range(t)])
         order, offs, _ = route(ids, E)
@@ -391,6 +393,8 @@ def test_mma_gemm_matches_the_triton_gemm(layer):
                     assert err < (1e-6 if dtype == torch.float32 else 5e-3), (kw, dtype, err)
                     if dtype == torch.float32:
                         assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item()), kw
+                    same = mm.grouped_w4a4_mma(op.values, op.global_decode, offs, *tiled, dtype, a_rows, config=kw)
+                    assert torch.equal(same[:rows].float(), got), ("tiled", kw)
         for big in (0, 128, 1024, 8192):  # the tuned tiles of each row bucket
             kw = tile_configs.mma_config(big, k, "cuda") if big else None
             y = mm.grouped_w4a4_mma(pairs.values, pairs.global_decode, offs, *w, a_rows=tok, config=kw)[:rows]

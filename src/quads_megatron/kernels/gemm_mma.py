@@ -103,6 +103,16 @@ def _bytes(w):
 
 
 @gluon.jit
+def _row_base(row, ROW_UNITS: gl.constexpr, CHUNK_UNITS: gl.constexpr, TILED: gl.constexpr):
+    """Offset (in the tensor's units) of weight row `row`'s first chunk: row * ROW_UNITS in the row-major
+    layout; in the tiled one, its 16-row group's blocks (ROW_UNITS / CHUNK_UNITS chunks of 16 x CHUNK_UNITS)
+    then its place in the block."""
+    if TILED:
+        return (row // 16) * (16 * ROW_UNITS) + (row % 16) * CHUNK_UNITS
+    return row * ROW_UNITS
+
+
+@gluon.jit
 def w4a4_mma_kernel(
     a_ptr,
     asdec_ptr,
@@ -127,6 +137,7 @@ def w4a4_mma_kernel(
     WEIGHT_LOADS: gl.constexpr,
     WORDS_LAYOUT: gl.constexpr,
     PDL: gl.constexpr,
+    TILED: gl.constexpr = False,
 ):
     wait_then_release(PDL)
     BN: gl.constexpr = 16 * NW * RG  # weight rows per CTA
@@ -148,12 +159,16 @@ def w4a4_mma_kernel(
     cr = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, cl)))
     ct = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, cl)))
     cq = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, cl)))
+    # TILED (gemm_mma_launch.tile_weights): each 16-row group's chunk is one 1 KB block of codes (a warp's
+    # 16-byte loads read 512 contiguous bytes) and one 128-byte block of scales; else rows of K / 2 bytes
+    C_STEP: gl.constexpr = 1024 if TILED else 64  # bytes from one chunk of a thread's codes to the next
+    S_STEP: gl.constexpr = 128 if TILED else 8
     wrow = (e * N + n0 + cr).to(gl.int64)
-    c_ptrs = w_ptr + (wrow * (K // 2))[:, None, None] + (ct * 16)[None, :, None] + cq[None, None, :]
+    c_ptrs = w_ptr + _row_base(wrow, K // 2, 64, TILED)[:, None, None] + (ct * 16)[None, :, None] + cq[None, None, :]
     sl: gl.constexpr = gl.SliceLayout(2, CODES_LAYOUT)
     sr = gl.arange(0, BN, layout=gl.SliceLayout(1, sl))
     sb = gl.arange(0, 8, layout=gl.SliceLayout(0, sl))
-    s_ptrs = ws_ptr + ((e * N + n0 + sr).to(gl.int64) * (K // 16))[:, None] + sb[None, :]
+    s_ptrs = ws_ptr + _row_base((e * N + n0 + sr).to(gl.int64), K // 16, 8, TILED)[:, None] + sb[None, :]
     xr = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl)))
     xs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, xl)))
     xp = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
@@ -175,14 +190,14 @@ def w4a4_mma_kernel(
         wt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
         ww = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
         w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-        cw_ptrs = w32 + (wr2 * (K // 8))[:, None, None] + (wt * 4)[None, :, None] + ww[None, None, :]
+        cw_ptrs = w32 + _row_base(wr2, K // 8, 16, TILED)[:, None, None] + (wt * 4)[None, :, None] + ww[None, None, :]
         cw = gl.load(cw_ptrs, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
         s = gl.load(s_ptrs, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
         x = gl.load(x_ptrs)
         for j in range(NK * KC):
             nj = gl.minimum(j + 1, NK * KC - 1)  # the last chunk reloads itself
-            cw_n = gl.load(cw_ptrs + nj * 16, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
-            s_n = gl.load(s_ptrs + nj * 8, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+            cw_n = gl.load(cw_ptrs + nj * (C_STEP // 4), cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+            s_n = gl.load(s_ptrs + nj * S_STEP, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
             x_n = gl.load(x_ptrs + nj * 64)
             c16 = gl.convert_layout(_bytes(cw), C16_LAYOUT, assert_trivial=True)
             c = gl.convert_layout(gl.reshape(c16, [BN, 8, 8]), CODES_LAYOUT, assert_trivial=True)
@@ -194,9 +209,9 @@ def w4a4_mma_kernel(
         for j in range(NK):
             for ch in gl.static_range(KC):  # unrolled: the step's loads are issued ahead of its decodes
                 cc = j * KC + ch
-                c = gl.load(c_ptrs + cc * 64, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+                c = gl.load(c_ptrs + cc * C_STEP, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
                 c = gl.convert_layout(gl.reshape(c, [BN, 8, 8]), CODES_LAYOUT, assert_trivial=True)
-                s = gl.load(s_ptrs + cc * 8, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+                s = gl.load(s_ptrs + cc * S_STEP, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
                 x = gl.load(x_ptrs + cc * 64)
                 acc = mma_v2(decode_weights(c, s, BN, a_layout), _activations(x, BT, b_layout), acc)
 

@@ -285,9 +285,10 @@ def _k_loop(lines: list[str], first: str) -> list[str]:
     return [ln for ln in lines[loop_top + 1 : loop_end + 1] if ln.strip() and not ln.strip().endswith(":")]
 
 
-def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False) -> dict:
+def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False, tiled: bool = False) -> dict:
     """Compile the decode-size Gluon GEMM (gemm_mma) at tile (a tile_configs.MmaConfig; bf16 output,
-    token-indexed rows, K=k) for sm_90 with Triton's ptxas, no GPU needed, and report its SASS: the HMMA
+    token-indexed rows, K=k; tiled: on gemm_mma_launch.tile_weights' layout) for sm_90 with Triton's ptxas, no
+    GPU needed, and report its SASS: the HMMA
     shapes and how many the K loop issues, its global loads by width, shared memory, local memory
     (spills), registers per thread and the K loop's instructions per decoded weight."""
     import triton
@@ -299,7 +300,7 @@ def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False) -> dict:
 
     t = tile
     chunks = host.fit_tile(t, 16 * t.num_warps * t.row_groups, k)
-    consts = dict(K=k, HAS_AROWS=True, BT=t.block_t, NW=t.num_warps, RG=t.row_groups, KC=chunks, PDL=pdl)
+    consts = dict(K=k, HAS_AROWS=True, BT=t.block_t, NW=t.num_warps, RG=t.row_groups, KC=chunks, PDL=pdl, TILED=tiled)
     consts.update(
         CODES_LAYOUT=dev.codes_layout(t.num_warps, t.row_groups),
         X_LAYOUT=dev.activation_layout(t.num_warps, t.block_t),
@@ -337,18 +338,20 @@ def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     """Compile each tile of a JSON list of WgmmaConfig fields (argv[0]; --k K; --mma: MmaConfig fields, the
-    decode-size GEMM) and print the reports as one JSON list."""
+    decode-size GEMM; --tiled: that one on tiled weights) and print the reports as one JSON list."""
     from quads_megatron.kernels.tile_configs import MmaConfig, WgmmaConfig
 
     argv = sys.argv[1:] if argv is None else argv
-    k, mma = 2048, False
-    while argv[:1] in (["--k"], ["--mma"]):
+    k, mma, tiled = 2048, False, False
+    while argv[:1] in (["--k"], ["--mma"], ["--tiled"]):
         if argv[0] == "--mma":
             mma, argv = True, argv[1:]
+        elif argv[0] == "--tiled":
+            tiled, argv = True, argv[1:]
         else:
             k, argv = int(argv[1]), argv[2:]
     if mma:
-        print(json.dumps([compile_mma_sm90(MmaConfig(**t), k) for t in json.loads(argv[0])]))
+        print(json.dumps([compile_mma_sm90(MmaConfig(**t), k, tiled=tiled) for t in json.loads(argv[0])]))
         return
     tiles = [WgmmaConfig(**t) for t in json.loads(argv[0])]
     print(json.dumps([compile_wgmma_sm90(t, k) for t in tiles]))
