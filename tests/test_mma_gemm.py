@@ -48,10 +48,11 @@ def test_weights_and_activations_meet_in_the_same_k_slot():
         assert set((k_w[slots] // 32).tolist()) == {t}
 
 
-# (block_t, num_warps, row_groups, chunks, prefetch[, weight_loads])
+# (block_t, num_warps, row_groups, chunks, prefetch[, weight_loads[, weights_first]])
 EXTRA_TILES = [(8, 4, 1, 1, False), (8, 8, 2, 2, False), (16, 4, 1, 2, False), (16, 8, 1, 1, False), (8, 4, 2, 1, True),
                (16, 4, 1, 1, True), (8, 4, 1, 4, False), (8, 4, 1, 8, False), (8, 4, 4, 2, False),
-               (8, 8, 2, 4, False, "cg"), (8, 4, 2, 2, False, "evict_first")]  # fmt: skip
+               (8, 8, 2, 4, False, "cg"), (8, 4, 2, 2, False, "evict_first"), (8, 4, 1, 4, False, "default", True),
+               (8, 4, 1, 8, False, "default", True), (16, 8, 1, 2, False, "default", True)]  # fmt: skip
 
 
 def shipped_and_extra_tiles() -> list[MmaConfig]:

@@ -103,6 +103,12 @@ def _bytes(w):
 
 
 @gluon.jit
+def _word_op(a, b, OP: gl.constexpr):
+    """a OP b on u8 tensors, four bytes per 32-bit instruction (PTX xor / and / or .b32)."""
+    return gl.inline_asm_elementwise(OP + ".b32 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.uint8, is_pure=True, pack=4)
+
+
+@gluon.jit
 def _row_base(row, ROW_UNITS: gl.constexpr, CHUNK_UNITS: gl.constexpr, TILED: gl.constexpr):
     """Offset (in the tensor's units) of weight row `row`'s first chunk: row * ROW_UNITS in the row-major
     layout; in the tiled one, its 16-row group's blocks (ROW_UNITS / CHUNK_UNITS chunks of 16 x CHUNK_UNITS)
@@ -138,6 +144,7 @@ def w4a4_mma_kernel(
     WORDS_LAYOUT: gl.constexpr,
     PDL: gl.constexpr,
     TILED: gl.constexpr = False,
+    WEIGHTS_FIRST: gl.constexpr = False,
 ):
     wait_then_release(PDL)
     BN: gl.constexpr = 16 * NW * RG  # weight rows per CTA
@@ -184,19 +191,21 @@ def w4a4_mma_kernel(
     W_CACHE: gl.constexpr = ".cg" if WEIGHT_LOADS == "cg" else ""
     W_EVICT: gl.constexpr = "evict_first" if WEIGHT_LOADS == "evict_first" else ""
     acc = gl.zeros([BN, BT], gl.float32, layout=mma)
+    # the code bytes as int32 words (PREFETCH, WEIGHTS_FIRST): [BN, 4, 4] in WORDS_LAYOUT
+    wl: gl.constexpr = WORDS_LAYOUT
+    wr2 = (e * N + n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))).to(gl.int64)
+    wt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
+    ww = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
+    w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    cw_ptrs = w32 + _row_base(wr2, K // 8, 16, TILED)[:, None, None] + (wt * 4)[None, :, None] + ww[None, None, :]
+    W_STEP: gl.constexpr = C_STEP // 4
     if PREFETCH:  # the next chunk's loads in flight under this one's decode; codes carried as int32 words
-        wl: gl.constexpr = WORDS_LAYOUT
-        wr2 = (e * N + n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))).to(gl.int64)
-        wt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
-        ww = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
-        w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-        cw_ptrs = w32 + _row_base(wr2, K // 8, 16, TILED)[:, None, None] + (wt * 4)[None, :, None] + ww[None, None, :]
         cw = gl.load(cw_ptrs, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
         s = gl.load(s_ptrs, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
         x = gl.load(x_ptrs)
         for j in range(NK * KC):
             nj = gl.minimum(j + 1, NK * KC - 1)  # the last chunk reloads itself
-            cw_n = gl.load(cw_ptrs + nj * (C_STEP // 4), cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+            cw_n = gl.load(cw_ptrs + nj * W_STEP, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
             s_n = gl.load(s_ptrs + nj * S_STEP, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
             x_n = gl.load(x_ptrs + nj * 64)
             c16 = gl.convert_layout(_bytes(cw), C16_LAYOUT, assert_trivial=True)
@@ -205,6 +214,23 @@ def w4a4_mma_kernel(
             cw = cw_n
             s = s_n
             x = x_n
+    elif WEIGHTS_FIRST:  # every chunk's code loads of the step issued before the step's first decode
+        gate = gl.full([BN, 4, 16], 0, gl.uint8, layout=cl) | (e >> 30).to(gl.uint8)  # 0, unknown to ptxas
+        for j in range(NK):
+            cs = ()
+            mix = gate
+            for ch in gl.static_range(KC):
+                c_ch = gl.load(c_ptrs + (j * KC + ch) * C_STEP, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+                cs = cs + (c_ch,)
+                mix = _word_op(mix, c_ch, "xor")
+            mix = _word_op(mix, gate, "and")  # zero, yet each decode below depends on every chunk's load
+            for ch in gl.static_range(KC):
+                cc = j * KC + ch
+                c = gl.reshape(_word_op(cs[ch], mix, "or"), [BN, 8, 8])
+                c = gl.convert_layout(c, CODES_LAYOUT, assert_trivial=True)
+                s = gl.load(s_ptrs + cc * S_STEP, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+                x = gl.load(x_ptrs + cc * 64)
+                acc = mma_v2(decode_weights(c, s, BN, a_layout), _activations(x, BT, b_layout), acc)
     else:
         for j in range(NK):
             for ch in gl.static_range(KC):  # unrolled: the step's loads are issued ahead of its decodes

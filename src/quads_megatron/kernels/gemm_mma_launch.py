@@ -149,6 +149,7 @@ def grouped_w4a4_mma(
         WEIGHT_LOADS=cfg.weight_loads,
         WORDS_LAYOUT=words_layout(nw, rg),
         TILED=tiled,
+        WEIGHTS_FIRST=cfg.weights_first,
         num_warps=nw,
         **pdl.launch_options(dev),
     )

@@ -301,6 +301,7 @@ def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False, tiled: bool = False
     t = tile
     chunks = host.fit_tile(t, 16 * t.num_warps * t.row_groups, k)
     consts = dict(K=k, HAS_AROWS=True, BT=t.block_t, NW=t.num_warps, RG=t.row_groups, KC=chunks, PDL=pdl, TILED=tiled)
+    consts["WEIGHTS_FIRST"] = t.weights_first
     consts.update(
         CODES_LAYOUT=dev.codes_layout(t.num_warps, t.row_groups),
         X_LAYOUT=dev.activation_layout(t.num_warps, t.block_t),

@@ -136,7 +136,9 @@ class MmaConfig:
     loaded per k-step (fewer where K's chunks do not divide by it: gemm_mma_launch.fit_tile); prefetch:
     instead, one chunk per step with the next chunk's loads issued before this one's decode (a register
     pipeline); weight_loads: the cache hint of the weight codes' and scales' loads (read once): "default",
-    "cg" (bypass L1) or "evict_first" (first out of L1), leaving L1 to the activations every warp re-reads."""
+    "cg" (bypass L1) or "evict_first" (first out of L1), leaving L1 to the activations every warp re-reads;
+    weights_first: every chunk's code loads of a k-step issued before its first decode (a run-time zero made
+    of all of them joins each chunk's codes, so ptxas cannot sink a load to its own chunk's decode)."""
 
     block_t: int = 8
     num_warps: int = 4
@@ -144,11 +146,15 @@ class MmaConfig:
     chunks: int = 2
     prefetch: bool = False
     weight_loads: str = "default"
+    weights_first: bool = False
 
     def __post_init__(self) -> None:
         _check_ints(self, ("block_t", "num_warps", "row_groups", "chunks"))
-        if not isinstance(self.prefetch, bool):
-            raise KernelConfigError(f"MmaConfig.prefetch must be a bool, got {self.prefetch!r}")
+        for name in ("prefetch", "weights_first"):
+            if not isinstance(getattr(self, name), bool):
+                raise KernelConfigError(f"MmaConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.prefetch and self.weights_first:
+            raise KernelConfigError("MmaConfig: prefetch and weights_first are two K loops; pick one")
         if self.weight_loads not in ("default", "cg", "evict_first"):
             raise KernelConfigError(f"MmaConfig.weight_loads={self.weight_loads!r}: 'default', 'cg' or 'evict_first'")
         if self.block_t not in (8, 16):
