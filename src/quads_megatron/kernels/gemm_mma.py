@@ -10,8 +10,10 @@ Which register meets which k slot is a permutation of K inside each chunk, the s
 operands (gluon_device.decode_weights' order), so nothing moves between threads. A k-step
 covers KC chunks (unrolled: ptxas issues their loads ahead of the decode); prefetch tiles instead load
 the next chunk before decoding this one (a register pipeline, the codes carried as int32 words, since
-loop-carried bytes are one register each). Every CTA reads its tile from a row-tile table
-(row_tiles.RowTiles).
+loop-carried bytes are one register each); weights_first tiles issue every chunk's code loads of a step
+before its first decode (ptxas otherwise keeps about one chunk ahead). The weights may be row-major or tiled
+(gemm_mma_launch.tile_weights: each 16-row group's chunk one contiguous block). Every CTA reads its tile
+from a row-tile table (row_tiles.RowTiles).
 
 Why: at decode an expert has 1-8 rows, so the GEMM is a stream of FP4 bytes through the decode. This
 kernel issues 2.3-2.7 instructions per weight against 3.6 for the Triton and Gluon wgmma GEMMs; on the
