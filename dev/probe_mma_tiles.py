@@ -2,7 +2,7 @@
 per token count, against the GEMM moe_w4a4(impl='auto') ran there without it (Triton, or the Gluon wgmma
 kernel where that one is the faster), on the same inputs; every tile's output checked against the Triton GEMM.
 
-python dev/probe_mma_tiles.py [--tokens 16,32,64,128,256] [--budget-s 300] [--write-config]
+python dev/probe_mma_tiles.py [--tokens 16,32,64,128,256] [--budget-s 300] [--write-config] [--tiles JSON]
 (CUDA GPU; CUDA-graph replay medians; fc1 reads its operand by token as moe_w4a4 runs it, fc2 one row per
 grouped row)
 After each GEMM's sweep its 3 best tiles run again on tile_weights' layout (A/B, same bits; --no-tiled: not).
@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--write-config", action="store_true", help="write the winners into configs/mma_gemm.json")
     ap.add_argument("--no-tiled", dest="tiled", action="store_false", help="skip the tiled-weights A/B")
+    ap.add_argument("--tiles", help="JSON list of MmaConfig field dicts to sweep instead of candidates()")
     args = ap.parse_args()
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -120,7 +121,8 @@ def main() -> None:
             kind, base_us = baseline(rows, pairs, wg, offs, a_rows, w)
             rule, current = tile_configs.match_rule("mma_gemm", "cuda", rows=rows, k=k)
             res = []
-            for tile in current_first(dataclasses.asdict(MmaConfig(**current["tile"])), candidates(rows)):
+            tiles = [dataclasses.asdict(MmaConfig(**t)) for t in json.loads(args.tiles)] if args.tiles else None
+            for tile in current_first(dataclasses.asdict(MmaConfig(**current["tile"])), tiles or candidates(rows)):
                 if time.time() - t0 > args.budget_s:
                     print("budget spent; sweep cut short", flush=True)
                     break
