@@ -71,10 +71,10 @@ def tiled_ab(name: str, tokens: int, pairs, offs, a_rows, w, tiles: list[dict]) 
     """The best tiles again on gemm_mma_launch.tile_weights' layout (each 16-row group's chunk one contiguous
     block): its time beside the row-major one's in the same process, and whether the outputs are the same bits."""
     tw = gemm_mma_launch.tile_weights(w[0], w[1])
+    gemm = functools.partial(gemm_mma_launch.grouped_w4a4_mma, pairs.values, pairs.global_decode, offs)
     ok = True
     for tile in tiles:
         cfg = MmaConfig(**tile)
-        gemm = functools.partial(gemm_mma_launch.grouped_w4a4_mma, pairs.values, pairs.global_decode, offs)
         runs = {
             layout: functools.partial(gemm, *ww, a_rows=a_rows, config=cfg)
             for layout, ww in (("rows", w), ("tiled", (*tw, w[2])))
@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--no-tiled", dest="tiled", action="store_false", help="skip the tiled-weights A/B")
     ap.add_argument("--tiles", help="JSON list of MmaConfig field dicts to sweep instead of candidates()")
     args = ap.parse_args()
+    given = [dataclasses.asdict(MmaConfig(**t)) for t in json.loads(args.tiles)] if args.tiles else None
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
     gemms = {}
@@ -121,8 +122,7 @@ def main() -> None:
             kind, base_us = baseline(rows, pairs, wg, offs, a_rows, w)
             rule, current = tile_configs.match_rule("mma_gemm", "cuda", rows=rows, k=k)
             res = []
-            tiles = [dataclasses.asdict(MmaConfig(**t)) for t in json.loads(args.tiles)] if args.tiles else None
-            for tile in current_first(dataclasses.asdict(MmaConfig(**current["tile"])), tiles or candidates(rows)):
+            for tile in current_first(dataclasses.asdict(MmaConfig(**current["tile"])), given or candidates(rows)):
                 if time.time() - t0 > args.budget_s:
                     print("budget spent; sweep cut short", flush=True)
                     break

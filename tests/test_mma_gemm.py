@@ -160,6 +160,10 @@ def test_host_refuses_what_the_kernel_cannot_run():
         MmaConfig(chunks=3)
     with pytest.raises(KernelConfigError, match="weight_loads"):
         MmaConfig(weight_loads="cs")
+    with pytest.raises(KernelConfigError, match="pick one"):
+        MmaConfig(prefetch=True, weights_first=True)
+    with pytest.raises(KernelConfigError, match="weights_first must be a bool"):
+        MmaConfig(weights_first=1)
     assert not mm.usable(torch.device("cpu"), 2048, 768)
     x = torch.randn(4, 256).bfloat16()
     w = (torch.zeros(2, 64, 128, dtype=torch.uint8), torch.zeros(2, 64, 16, dtype=torch.uint8), torch.ones(2))

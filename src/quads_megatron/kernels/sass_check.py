@@ -288,9 +288,9 @@ def _k_loop(lines: list[str], first: str) -> list[str]:
 def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False, tiled: bool = False) -> dict:
     """Compile the decode-size Gluon GEMM (gemm_mma) at tile (a tile_configs.MmaConfig; bf16 output,
     token-indexed rows, K=k; tiled: on gemm_mma_launch.tile_weights' layout) for sm_90 with Triton's ptxas, no
-    GPU needed, and report its SASS: the HMMA
-    shapes and how many the K loop issues, its global loads by width, shared memory, local memory
-    (spills), registers per thread and the K loop's instructions per decoded weight."""
+    GPU needed, and report its SASS: the HMMA shapes and how many the K loop issues, its global loads by
+    width, shared memory, local memory (spills), registers per thread and the K loop's instructions per
+    decoded weight."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -300,9 +300,10 @@ def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False, tiled: bool = False
 
     t = tile
     chunks = host.fit_tile(t, 16 * t.num_warps * t.row_groups, k)
-    consts = dict(K=k, HAS_AROWS=True, BT=t.block_t, NW=t.num_warps, RG=t.row_groups, KC=chunks, PDL=pdl, TILED=tiled)
-    consts["WEIGHTS_FIRST"] = t.weights_first
+    consts = dict(K=k, HAS_AROWS=True, BT=t.block_t, NW=t.num_warps, RG=t.row_groups, KC=chunks, PDL=pdl)
     consts.update(
+        TILED=tiled,
+        WEIGHTS_FIRST=t.weights_first,
         CODES_LAYOUT=dev.codes_layout(t.num_warps, t.row_groups),
         X_LAYOUT=dev.activation_layout(t.num_warps, t.block_t),
         C16_LAYOUT=dev.codes16_layout(t.num_warps, t.row_groups),
