@@ -38,14 +38,14 @@ def candidates(rows: int) -> list[dict]:
     """8-token tiles up to 512 grouped rows (16 and 64 tokens at top-8), 16-token ones above: row groups x
     chunks per k-step (the weight bytes a thread has in flight: 16 per row, chunk and group), the weights'
     cache hint on the smaller ones, one register-pipelined tile, and 2-8 chunks with every code load of the
-    step issued first (weights_first)."""
+    step issued first (weights_first; 3 chunks too, fc2's K = 768 in two steps)."""
     bt = 8 if rows <= 512 else 16
     shapes = [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)] if bt == 8 else [(1, 1), (1, 2), (2, 2), (1, 4)]
     out = [(bt, nw, rg, kc, False, "default") for nw in (4, 8) for rg, kc in shapes]
     out += [(bt, 4, rg, kc, False, wl) for wl in ("cg", "evict_first") for rg, kc in shapes[:2]]
     out.append((bt, 4, 2, 1, True, "default"))
     out = [(*t, False) for t in out]
-    out += [(bt, nw, 1, kc, False, "default", True) for nw, kc in ((4, 2), (4, 4), (4, 8), (8, 4))]
+    out += [(bt, nw, 1, kc, False, "default", True) for nw, kc in ((4, 2), (4, 3), (4, 4), (4, 8), (8, 3), (8, 4))]
     return [dict(zip(FIELDS, t, strict=True)) for t in out]
 
 

@@ -52,7 +52,8 @@ def test_weights_and_activations_meet_in_the_same_k_slot():
 EXTRA_TILES = [(8, 4, 1, 1, False), (8, 8, 2, 2, False), (16, 4, 1, 2, False), (16, 8, 1, 1, False), (8, 4, 2, 1, True),
                (16, 4, 1, 1, True), (8, 4, 1, 4, False), (8, 4, 1, 8, False), (8, 4, 4, 2, False),
                (8, 8, 2, 4, False, "cg"), (8, 4, 2, 2, False, "evict_first"), (8, 4, 1, 4, False, "default", True),
-               (8, 4, 1, 8, False, "default", True), (16, 8, 1, 2, False, "default", True)]  # fmt: skip
+               (8, 4, 1, 8, False, "default", True), (16, 8, 1, 2, False, "default", True),
+               (8, 4, 1, 3, False, "default", True)]  # fmt: skip
 
 
 def shipped_and_extra_tiles() -> list[MmaConfig]:
@@ -142,7 +143,7 @@ def test_every_tuned_tile_runs_where_its_rule_picks_it():
                     cfg = mm.fit_rows(MmaConfig(**rule["tile"]), n)
                     assert cfg.block_t == rule["tile"]["block_t"]
                     chunks = mm.fit_tile(cfg, n, k)
-                    assert chunks in tile_configs.MMA_CHUNKS and chunks <= cfg.chunks, (rows, k, n)
+                    assert chunks in cfg.chunk_choices() and chunks <= cfg.chunks, (rows, k, n)
                     assert (k // 128) % chunks == 0, (rows, k, n)
 
 
@@ -160,6 +161,10 @@ def test_host_refuses_what_the_kernel_cannot_run():
         MmaConfig(chunks=3)
     with pytest.raises(KernelConfigError, match="weight_loads"):
         MmaConfig(weight_loads="cs")
+    wf3 = MmaConfig(chunks=3, weights_first=True)  # 3 chunks only with every load of the step first
+    assert mm.fit_tile(wf3, 2048, 768) == 3 and mm.fit_tile(wf3, 2048, 2048) == 2
+    with pytest.raises(KernelConfigError, match="with weights_first"):
+        MmaConfig(chunks=3)
     with pytest.raises(KernelConfigError, match="pick one"):
         MmaConfig(prefetch=True, weights_first=True)
     with pytest.raises(KernelConfigError, match="weights_first must be a bool"):

@@ -20,7 +20,7 @@ from quads_megatron.kernels.gemm_mma import (
     words_layout,
 )
 from quads_megatron.kernels.row_tiles import RowTiles, gemm_row_tiles, grouped_rows
-from quads_megatron.kernels.tile_configs import MMA_CHUNKS, MmaConfig, mma_config
+from quads_megatron.kernels.tile_configs import MmaConfig, mma_config
 
 
 @functools.cache
@@ -45,14 +45,14 @@ def fit_rows(cfg: MmaConfig, n: int) -> MmaConfig:
 
 
 def fit_tile(cfg: MmaConfig, n: int, k: int) -> int:
-    """Chunks per k-step as the tile runs on weights [N, K]: the tile's, or the largest of MMA_CHUNKS below it
-    that divides K's chunks. KernelConfigError where N is not a multiple of the CTA's weight rows."""
+    """Chunks per k-step as the tile runs on weights [N, K]: the tile's, or the largest of its chunk_choices()
+    below it that divides K's chunks. KernelConfigError where N is not a multiple of the CTA's weight rows."""
     rows = 16 * cfg.num_warps * cfg.row_groups
     if n % rows:
         raise KernelConfigError(
             f"bad mma tiles for N={n}: num_warps={cfg.num_warps} x row_groups={cfg.row_groups} x 16 rows must divide N"
         )
-    return max(c for c in MMA_CHUNKS if c <= cfg.chunks and (k // CHUNK_K) % c == 0)
+    return max(c for c in cfg.chunk_choices() if c <= cfg.chunks and (k // CHUNK_K) % c == 0)
 
 
 def tile_weights(w_codes: torch.Tensor, w_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

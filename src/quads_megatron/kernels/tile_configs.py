@@ -159,16 +159,23 @@ class MmaConfig:
             raise KernelConfigError(f"MmaConfig.weight_loads={self.weight_loads!r}: 'default', 'cg' or 'evict_first'")
         if self.block_t not in (8, 16):
             raise KernelConfigError(f"MmaConfig.block_t={self.block_t}: 8 or 16")
-        if self.num_warps not in (4, 8) or self.row_groups not in (1, 2, 4) or self.chunks not in MMA_CHUNKS:
+        chunks = self.chunk_choices()
+        if self.num_warps not in (4, 8) or self.row_groups not in (1, 2, 4) or self.chunks not in chunks:
             raise KernelConfigError(
                 f"MmaConfig num_warps={self.num_warps}, row_groups={self.row_groups}, chunks={self.chunks}: "
-                f"4 or 8 warps, 1, 2 or 4 row groups, chunks one of {MMA_CHUNKS}"
+                f"4 or 8 warps, 1, 2 or 4 row groups, chunks one of {chunks}"
+                + ("" if self.weights_first else f" ({MMA_CHUNKS_WEIGHTS_FIRST} with weights_first)")
             )
+
+    def chunk_choices(self) -> tuple[int, ...]:
+        """The chunks per k-step this tile's K loop can take (gemm_mma_launch.fit_tile picks among them)."""
+        return MMA_CHUNKS_WEIGHTS_FIRST if self.weights_first else MMA_CHUNKS
 
 
 #: 128-K chunks per k-step the decode-size GEMM can take (fit_tile: the largest dividing K's chunks; 3 of
-#: K = 768's 6 chunks spilled at 4 warps, Triton 3.6 sm_90)
+#: K = 768's 6 chunks spilled at 4 warps, Triton 3.6 sm_90); with weights_first 3 compiles clean (78 registers)
 MMA_CHUNKS = (1, 2, 4, 8)
+MMA_CHUNKS_WEIGHTS_FIRST = (1, 2, 3, 4, 8)
 
 
 @dataclass(frozen=True)
