@@ -62,18 +62,24 @@ def shipped_and_extra_tiles() -> list[MmaConfig]:
     return list(dict.fromkeys(shipped + [MmaConfig(*t) for t in EXTRA_TILES]))
 
 
+def sm90_reports(tiles: list[MmaConfig], *flags: str) -> list[dict]:
+    """sass_check's offline sm_90 reports of tiles (--mma and flags), compiled in a fresh process (the
+    interpreter the other tests use patches Triton's language in this one)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "quads_megatron.kernels.sass_check", "--mma", *flags,
+         json.dumps([dataclasses.asdict(t) for t in tiles])],
+        capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=1200,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("k", [2048, 768])
 def test_kernel_compiles_for_sm90_streaming_registers_only(k):
     """Every shipped tile and the variants above at fc1's and fc2's K, compiled for sm_90 in a fresh process
     (the interpreter the other tests use patches Triton's language in this one)."""
     tiles = shipped_and_extra_tiles()
-    out = subprocess.run(
-        [sys.executable, "-m", "quads_megatron.kernels.sass_check", "--mma", "--k", str(k),
-         json.dumps([dataclasses.asdict(t) for t in tiles])],
-        capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=1200,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    reports = json.loads(out.stdout.strip().splitlines()[-1])
+    reports = sm90_reports(tiles, "--k", str(k))
     assert len(reports) == len(tiles)
     for t, r in zip(tiles, reports, strict=True):
         assert r["chunks"] == mm.fit_tile(t, 16 * t.num_warps * t.row_groups, k)
@@ -94,13 +100,7 @@ def test_kernel_compiles_for_sm90_streaming_registers_only(k):
 def test_kernel_compiles_on_tiled_weights():
     """On tile_weights' layout the K loop keeps its 16-byte code loads, registers and spill-free code."""
     tiles = [MmaConfig(), MmaConfig(block_t=16, num_warps=4, chunks=1, prefetch=True)]
-    out = subprocess.run(
-        [sys.executable, "-m", "quads_megatron.kernels.sass_check", "--mma", "--tiled", "--k", "2048",
-         json.dumps([dataclasses.asdict(t) for t in tiles])],
-        capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=1200,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    for r in json.loads(out.stdout.strip().splitlines()[-1]):
+    for r in sm90_reports(tiles, "--tiled", "--k", "2048"):
         assert set(r["loop_load_ops"]) == {"LDG.E.128", "LDG.E.U16"} and r["spills"] == 0 and r["smem"] == 0, r
 
 

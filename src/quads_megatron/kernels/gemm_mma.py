@@ -193,15 +193,14 @@ def w4a4_mma_kernel(
     W_CACHE: gl.constexpr = ".cg" if WEIGHT_LOADS == "cg" else ""
     W_EVICT: gl.constexpr = "evict_first" if WEIGHT_LOADS == "evict_first" else ""
     acc = gl.zeros([BN, BT], gl.float32, layout=mma)
-    # the code bytes as int32 words (PREFETCH, WEIGHTS_FIRST): [BN, 4, 4] in WORDS_LAYOUT
-    wl: gl.constexpr = WORDS_LAYOUT
-    wr2 = (e * N + n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))).to(gl.int64)
-    wt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
-    ww = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
-    w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-    cw_ptrs = w32 + _row_base(wr2, K // 8, 16, TILED)[:, None, None] + (wt * 4)[None, :, None] + ww[None, None, :]
-    W_STEP: gl.constexpr = C_STEP // 4
     if PREFETCH:  # the next chunk's loads in flight under this one's decode; codes carried as int32 words
+        wl: gl.constexpr = WORDS_LAYOUT
+        wr2 = (e * N + n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))).to(gl.int64)
+        wt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
+        ww = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
+        w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        cw_ptrs = w32 + _row_base(wr2, K // 8, 16, TILED)[:, None, None] + (wt * 4)[None, :, None] + ww[None, None, :]
+        W_STEP: gl.constexpr = C_STEP // 4
         cw = gl.load(cw_ptrs, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
         s = gl.load(s_ptrs, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
         x = gl.load(x_ptrs)
