@@ -501,7 +501,7 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
         finally:
             os.environ.pop("QUADS_FUSED_ROUTING") if kept is None else os.environ.update(QUADS_FUSED_ROUTING=kept)
 
-    row["fused_routing"] = moe.fused_routing()
+    row["fused_routing"] = moe.fused_routing(ids.numel())
     fns["ours_other_routing"] = ours_other_routing
     if cuda:  # A/B of the decode-size GEMM: the GEMMs auto ran without it
         no_mma = moe.gemm_impl(t["x"].device, weights, ids.numel(), mma=False)

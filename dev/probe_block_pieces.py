@@ -53,7 +53,7 @@ def pieces(t: dict, weights: moe.ExpertWeights, rac: moe.LayerRAC) -> dict:
     def op1_alone():
         return moe._gemm_operand(x, rac.fc1, None, order_kind, None, check=False, row_tiles=(r.offs, bt1, rows))
 
-    a1 = op1() if moe.fused_routing() else op1_alone()
+    a1 = op1() if moe.fused_routing(rows) else op1_alone()
     if a1.routing is not None:  # the fused launch routes as the routing kernel does
         for name in ("order", "offs", "valid", "tokens", "pos"):
             assert torch.equal(getattr(a1.routing, name), getattr(r, name)), name
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["block_us"] = bmb.time_us(fn, True, args.rep_ms)
                 for name in PIECES:
                     row[f"{name}_us"] = bmb.time_us(p[name], True, args.rep_ms)
-                fused = moe.fused_routing()
+                fused = moe.fused_routing(t["ids"].numel())
                 for name in FIRST[True] + FIRST[False]:
                     row[f"{name}_us"] = bmb.time_us(p[name], True, args.rep_ms)
                 row["fused_routing"] = fused

@@ -18,6 +18,7 @@ if [ "$STACK" != sglang ] && [ ! -f "$SITE/.te_installed" ]; then
   touch "$SITE/.te_installed"
 fi
 if [ ! -f "$SITE/.sglang_installed" ]; then
+  ls "$S"/a/sglang_kernel-*.whl > /dev/null 2>&1 || { echo "install.sh: no sglang_kernel wheel staged: run stage.sh .dev/carry/sgk first (same warm machine)"; exit 2; }
   pipi "$S"/a/*.whl
   pipi "$S"/b/*.whl
   rm -rf "$SITE/IPython" && cp -r "$S/a/IPython_stub" "$SITE/IPython"

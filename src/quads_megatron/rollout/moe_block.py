@@ -200,17 +200,23 @@ def moe_w4a4(
     if topk_ids.numel() > route_kernel.ROUTE_MAX_ROWS:
         order, offs, valid = route(topk_ids, weights.num_experts)
         routing = route_kernel.Routing(order, offs, valid, order // topk_ids.shape[1], None)
-    elif not fused_routing():  # decode sizes: the routing kernel's own launch
+    elif not fused_routing(topk_ids.numel()):  # the routing kernel's own launch
         routing = route_kernel.route(topk_ids, weights.num_experts)
     y2, routing = _experts_triton(x, topk_ids, routing, weights, rac, static_amax, activation, check, impl, recipe)
     return combine_kernel.combine(y2, routing.order, topk_ids, topk_weights, weights.num_experts, x.dtype, routing.pos)
 
 
-def fused_routing() -> bool:
-    """Whether the kernel paths route decode-size batches inside fc1's quantization launch (one launch fewer)
-    instead of in the routing kernel's own: QUADS_FUSED_ROUTING=1. Off by default until timed and checked on a
-    GPU (its histogram runs there only; the CPU tests run its one-hot twin); the outputs are the same bits."""
-    return os.environ.get("QUADS_FUSED_ROUTING", "0") == "1"
+FUSED_ROUTING_MAX_ROWS = 512  # H100 2026-12-07: fused 2.2 / 1.0 us faster at 128 / 512 rows, 5.4 us slower at 2048
+
+
+def fused_routing(rows: int) -> bool:
+    """Whether the kernel paths route these T*k rows inside fc1's quantization launch (one launch fewer) instead
+    of in the routing kernel's own: up to FUSED_ROUTING_MAX_ROWS, where it was timed faster; QUADS_FUSED_ROUTING
+    =1 / =0 forces it on / off (the A/B arms). Either way the outputs are the same bits."""
+    forced = os.environ.get("QUADS_FUSED_ROUTING", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return rows <= FUSED_ROUTING_MAX_ROWS
 
 
 def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation, recipe):
