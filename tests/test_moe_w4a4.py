@@ -86,13 +86,31 @@ def test_triton_path_matches_reference(rac, dtype):
     assert torch.equal(got, moe_w4a4(x, ids, tw, weights, RACS[rac].on("cpu"), impl="triton").float())  # deterministic
 
 
+def test_fused_routing_runs_up_to_its_row_limit_unless_forced(monkeypatch):
+    """The kernel paths fuse the routing into fc1's quantization launch up to FUSED_ROUTING_MAX_ROWS (T*k),
+    where it was timed faster; QUADS_FUSED_ROUTING=0 / =1 force it off / on; another value is an error."""
+    from quads_megatron.rollout import moe_block
+
+    limit = moe_block.FUSED_ROUTING_MAX_ROWS
+    monkeypatch.delenv("QUADS_FUSED_ROUTING", raising=False)
+    assert moe_block.fused_routing(limit) and not moe_block.fused_routing(limit + 1)
+    monkeypatch.setenv("QUADS_FUSED_ROUTING", "0")
+    assert not moe_block.fused_routing(1)
+    monkeypatch.setenv("QUADS_FUSED_ROUTING", "1")
+    assert moe_block.fused_routing(limit + 1)
+    monkeypatch.setenv("QUADS_FUSED_ROUTING", "yes")
+    with pytest.raises(ValueError, match="QUADS_FUSED_ROUTING must be 0 or 1"):
+        moe_block.fused_routing(1)
+
+
 def test_fc2_builds_its_own_row_tiles_where_its_tiles_differ(monkeypatch):
     """fc1's quantization launch (which also routes, at decode sizes) writes the row tiles both GEMMs share;
     where fc2's GEMM runs other tiles (here forced: 32-row tiles for K=INTER), fc2's quantization launch
     writes its own, and the block is the same bit for bit."""
     weights, _, _ = experts()
     x, ids, tw = routing()
-    shared = moe_w4a4(x, ids, tw, weights, impl="triton")
+    monkeypatch.setenv("QUADS_FUSED_ROUTING", "0")
+    shared = moe_w4a4(x, ids, tw, weights, impl="triton")  # the routing kernel's own launch
     monkeypatch.setenv("QUADS_FUSED_ROUTING", "1")
     assert torch.equal(moe_w4a4(x, ids, tw, weights, impl="triton"), shared)  # routed in fc1's launch: same bits
     config = tile_configs.triton_gemm_config

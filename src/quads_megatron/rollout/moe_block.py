@@ -212,11 +212,11 @@ FUSED_ROUTING_MAX_ROWS = 512  # H100 2026-12-07: fused 2.2 / 1.0 us faster at 12
 def fused_routing(rows: int) -> bool:
     """Whether the kernel paths route these T*k rows inside fc1's quantization launch (one launch fewer) instead
     of in the routing kernel's own: up to FUSED_ROUTING_MAX_ROWS, where it was timed faster; QUADS_FUSED_ROUTING
-    =1 / =0 forces it on / off (the A/B arms). Either way the outputs are the same bits."""
+    =1 / =0 forces it on / off (the A/B arms; another value is an error). Either way the outputs are the same bits."""
     forced = os.environ.get("QUADS_FUSED_ROUTING", "")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return rows <= FUSED_ROUTING_MAX_ROWS
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"QUADS_FUSED_ROUTING must be 0 or 1 (or unset), got {forced!r}")
+    return forced == "1" if forced else rows <= FUSED_ROUTING_MAX_ROWS
 
 
 def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation, recipe):
