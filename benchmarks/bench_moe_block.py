@@ -52,6 +52,7 @@ ARMS = (
     "ours_torch_route",
     "ours_no_mma",
     "ours_other_routing",
+    "ours_tiled",
     "sglang_fp8",
     "sglang_fp8_tuned",
     "sglang_fp8_tensor",
@@ -164,6 +165,7 @@ def markdown(result: dict) -> str:
         "(kernels/gemm_mma.py): Triton at <= 1024 grouped rows, the Gluon wgmma kernel above (A/B, same run).",
         "'ours, other routing': the same block with the routing 'ours' does not use (routing: 'fused' = by",
         "extra programs of fc1's quantization launch, QUADS_FUSED_ROUTING=1; 'own' = the routing kernel's launch).",
+        "'ours, tiled weights': the same block on the experts in kernels/weight_layout.py's tiled order (A/B).",
         "",
     ]
     shipped = result.get("sglang_tuned_configs") or {}
@@ -194,7 +196,7 @@ def markdown(result: dict) -> str:
     ]
     head += ["RAC50 vs FP8", "RAC50 vs FP8 tuned", "NVFP4 floor", "ours % floor", "FP8 floor", "FP8 % floor"]
     head += ["FP8 tuned % floor", "ours max err", "ours, torch routing", "ours GEMM", "ours, no mma GEMM"]
-    head += ["routing", "ours, other routing"]
+    head += ["routing", "ours, other routing", "ours, tiled weights"]
     rows = []
     for r in result["rows"]:
         rows.append(
@@ -211,6 +213,7 @@ def markdown(result: dict) -> str:
                 f(r.get("ours_max_abs_err"), ".2e"),
                 f(r.get("ours_torch_route_us")), r.get("ours_impl", "-"), f(r.get("ours_no_mma_us")),
                 {True: "fused", False: "own"}.get(r.get("fused_routing"), "-"), f(r.get("ours_other_routing_us")),
+                f(r.get("ours_tiled_us")),
             ]
         )  # fmt: skip
     lines += bench_env.table(head, rows)
@@ -503,6 +506,9 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
 
     row["fused_routing"] = moe.fused_routing(ids.numel())
     fns["ours_other_routing"] = ours_other_routing
+    if "ours_tiled" in args.arms:
+        tiled = weights.as_tiled()  # A/B of the weights' layout (kernels/weight_layout.py), made once
+        fns["ours_tiled"] = lambda: moe.moe_w4a4(t["x"], ids, t["w"], tiled, impl="auto", check=False)
     if cuda:  # A/B of the decode-size GEMM: the GEMMs auto ran without it
         no_mma = moe.gemm_impl(t["x"].device, weights, ids.numel(), mma=False)
         fns["ours_no_mma"] = lambda: moe.moe_w4a4(t["x"], ids, t["w"], weights, impl=no_mma, check=False)

@@ -24,7 +24,7 @@ import time
 import torch
 import triton.testing
 
-from quads_megatron.kernels import act_quant, gemm_mma_launch, gemm_triton, tile_configs
+from quads_megatron.kernels import act_quant, gemm_mma_launch, gemm_triton, tile_configs, weight_layout
 from quads_megatron.kernels.tile_configs import MmaConfig
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
@@ -68,9 +68,9 @@ def _nk(w) -> tuple[int, int]:
 
 
 def tiled_ab(name: str, tokens: int, pairs, offs, a_rows, w, tiles: list[dict]) -> bool:
-    """The best tiles again on gemm_mma_launch.tile_weights' layout (each 16-row group's chunk one contiguous
+    """The best tiles again on weight_layout.tile_weights' layout (each 16-row group's chunk one contiguous
     block): its time beside the row-major one's in the same process, and whether the outputs are the same bits."""
-    tw = gemm_mma_launch.tile_weights(w[0], w[1])
+    tw = weight_layout.tile_weights(w[0], w[1])
     gemm = functools.partial(gemm_mma_launch.grouped_w4a4_mma, pairs.values, pairs.global_decode, offs)
     ok = True
     for tile in tiles:

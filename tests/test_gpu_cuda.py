@@ -248,9 +248,10 @@ def _w13(w):
 @pytest.mark.parametrize("layer", ["fc1", "fc2"])
 def test_wgmma_gemm_matches_the_triton_gemm(layer):
     """Same exact products, fp32 sums in another order: equal to ~1e-7 relative, on every tile
-    (row tails, an expert without rows, token-indexed and plain rows)."""
+    (row tails, an expert without rows, token-indexed and plain rows); on weight_layout's tiled weights the
+    same bits as on row-major ones (tuned tiles, TMA stores, three consumer warpgroups)."""
     from quads_megatron import nvfp4
-    from quads_megatron.kernels import act_quant, gemm_triton, tile_configs
+    from quads_megatron.kernels import act_quant, gemm_triton, tile_configs, weight_layout
     from quads_megatron.kernels import gemm_wgmma_launch as wg
     from quads_megatron.kernels.tile_configs import TritonGemmConfig, WgmmaConfig
     from quads_megatron.rollout.moe_block import route
@@ -329,9 +330,12 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
             assert torch.allclose(got[:rows], want, rtol=1e-4, atol=1e-5 * want.abs().max().item()), kw
     y_triton = gemm_triton.grouped_w4a4(pairs, offs, *w, a_rows=tok, config=TritonGemmConfig(block_m=16, block_n=64))
     y_triton = y_triton[:rows]
+    tiled = (*weight_layout.tile_weights(w[0], w[1]), w[2])
     for big in (0, 8192, 32768, 131072):  # the tuned tiles at this size, and those of larger row buckets
         kw = tile_configs.wgmma_config(big, n, device="cuda", k=k) if big else None
         y = wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, *w, a_rows=tok, config=kw)[:rows]
+        y_tiled = wg.grouped_w4a4_wgmma(perm.values, perm.global_decode, offs, *tiled, a_rows=tok, config=kw)
+        assert torch.equal(y_tiled[:rows], y), (big, "tiled")
         assert y.dtype == torch.bfloat16
         assert torch.allclose(y.float(), y_triton.float(), rtol=1e-2, atol=1e-3 * y_triton.float().abs().max().item())
     # full tiles through a shared-memory buffer and a TMA bulk store, partial ones read back and masked; fc1's
@@ -347,6 +351,10 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
             ys += [gemm(config=WgmmaConfig(**three, tma_store=True))]
         assert len(ys) == (4 if bt == 128 and layer == "fc1" else 2)
         assert all(torch.equal(ys[0], y) for y in ys[1:]), kw
+        on_tiles = functools.partial(wg.grouped_w4a4_wgmma, perm.values, perm.global_decode, offs, *tiled, a_rows=tok)
+        assert torch.equal(on_tiles(config=WgmmaConfig(**kw, tma_store=True)), ys[0]), (kw, "tiled")
+        if bt == 128 and n % 192 == 0:
+            assert torch.equal(on_tiles(config=WgmmaConfig(**three, tma_store=True)), ys[0]), (three, "tiled")
 
 
 @pytest.mark.parametrize("layer", ["fc1", "fc2"])
@@ -356,7 +364,7 @@ def test_mma_gemm_matches_the_triton_gemm(layer):
     and fp32 outputs), the same bits on tile_weights' layout, and the whole block on the tuned tiles at decode
     sizes."""
     from quads_megatron import nvfp4
-    from quads_megatron.kernels import act_quant, gemm_triton, tile_configs
+    from quads_megatron.kernels import act_quant, gemm_triton, tile_configs, weight_layout
     from quads_megatron.kernels import gemm_mma_launch as mm
     from quads_megatron.kernels.tile_configs import MmaConfig, TritonGemmConfig
     from quads_megatron.rollout.moe_block import route
@@ -366,7 +374,7 @@ def test_mma_gemm_matches_the_triton_gemm(layer):
     w = gemm_triton.stack_expert_weights(
         [nvfp4.quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02) for _ in range(E)]
     )
-    tiled = (*mm.tile_weights(w[0], w[1]), w[2])  # the same weights, 16-row groups' chunks contiguous
+    tiled = (*weight_layout.tile_weights(w[0], w[1]), w[2])  # the same weights, 16-row groups' chunks contiguous
     for t in (5, 37):  # 0-3 rows per expert, and up to ~25 (several 8- and 16-row tiles)
         ids = torch.stack([torch.randperm(E - 1, generator=g, device="cuda")[:TOPK] for _ in range(t)])
         order, offs, _ = route(ids, E)

@@ -6,8 +6,7 @@
   data file configs/mma_gemm.json holds and a few others: both layout conversions are asserted trivial at
   compile time, and the K loop reads global memory in 16-byte accesses straight into registers (no shared
   memory, no barriers), issues the MMAs the tile implies, spills nothing;
-* the tiled weight layout (gemm_mma_launch.tile_weights): the same bytes where the kernel's TILED addressing
-  reads them, and the kernel compiled on it;
+* the kernel compiled on the tiled weight layout (weight_layout; its bytes: test_weight_layout.py);
 * the host side's checks (operand order, tile fit) and moe_block's choice of GEMM.
 Its numbers are checked on the GPU (tests/test_gpu_cuda.py).
 """
@@ -102,31 +101,6 @@ def test_kernel_compiles_on_tiled_weights():
     tiles = [MmaConfig(), MmaConfig(block_t=16, num_warps=4, chunks=1, prefetch=True)]
     for r in sm90_reports(tiles, "--tiled", "--k", "2048"):
         assert set(r["loop_load_ops"]) == {"LDG.E.128", "LDG.E.U16"} and r["spills"] == 0 and r["smem"] == 0, r
-
-
-def test_tiled_weights_are_the_same_bytes_in_16_row_chunk_blocks():
-    """tile_weights: byte b of weight row n, expert e at [e, n // 16, b // 64, n % 16, b % 64] (scales: block j
-    at [e, n // 16, j // 8, n % 16, j % 8]): each 16-row group's 128-K chunk one contiguous 1 KB (128 B) block,
-    the order the kernel's TILED addressing reads; shapes it cannot tile are refused."""
-    e, n, k = 3, 48, 384
-    codes = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8)
-    scales = torch.randint(0, 256, (e, n, k // 16), dtype=torch.uint8)
-    tc, ts = mm.tile_weights(codes, scales)
-    assert tc.shape == (e, n // 16, k // 128, 16, 64) and ts.shape == (e, n // 16, k // 128, 16, 8)
-    assert tc.is_contiguous() and ts.is_contiguous()
-    for ei, row, b in [(0, 0, 0), (1, 17, 65), (2, 47, 191), (2, 31, 64)]:
-        assert tc[ei, row // 16, b // 64, row % 16, b % 64] == codes[ei, row, b]
-    for ei, row, j in [(0, 5, 7), (1, 16, 8), (2, 47, 23)]:
-        assert ts[ei, row // 16, j // 8, row % 16, j % 8] == scales[ei, row, j]
-    flat = tc.reshape(-1)  # the kernel's offset: (e*N + n) // 16 * 16 * K/2 + b // 64 * 1024 + n % 16 * 64 + b % 64
-    for ei, row, b in [(1, 17, 65), (2, 47, 191)]:
-        g = ei * n + row
-        assert flat[g // 16 * 16 * (k // 2) + b // 64 * 1024 + g % 16 * 64 + b % 64] == codes[ei, row, b]
-    assert mm._weight_dims(tc, ts) == (e, n, k, True) and mm._weight_dims(codes, scales) == (e, n, k, False)
-    with pytest.raises(ValueError, match="N % 16 == 0"):
-        mm.tile_weights(codes[:, :40], scales[:, :40])
-    with pytest.raises(ValueError, match="tiled mma weights"):
-        mm._weight_dims(tc, ts[..., :4])
 
 
 def test_every_tuned_tile_runs_where_its_rule_picks_it():

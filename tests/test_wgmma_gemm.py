@@ -157,6 +157,30 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
         assert bool(r["setmaxnreg"]) == bool(lw), r
 
 
+def test_kernel_compiles_on_tiled_weights():
+    """On weight_layout's tiled weights (only the weights' addresses change) the data file's first tiles (both
+    kernels) compile as on row-major ones: the same wgmmas and waits, no register hazard, no K-loop spill."""
+    tiles = shipped_and_extra_tiles()[:4]
+    assert any(t.loader_warps for t in tiles) and not all(t.loader_warps for t in tiles)
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    spec = json.dumps([dataclasses.asdict(t) for t in tiles])
+    reports = {}
+    for flags in ((), ("--tiled",)):
+        out = subprocess.run(
+            [sys.executable, "-m", "quads_megatron.kernels.sass_check", *flags, spec],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=1200,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        reports[flags] = json.loads(out.stdout.strip().splitlines()[-1])
+    for t, rows, tiled in zip(tiles, reports[()], reports[("--tiled",)], strict=True):
+        for key in ("hgmma_shape", "hgmma_a_operands", "wgmma_waits", "threads", "smem"):
+            assert tiled[key] == rows[key], (t, key)
+        assert tiled["register_hazards"] == [] and tiled["loop_spills"] == 0, (t, tiled)
+
+
 def _sass(*lines: str) -> str:
     """Triton's SASS dump format: control codes, a tab, the instruction."""
     return "\n".join(ln if ln.endswith(":") else f"--:-:-:-:1\t{ln};" for ln in lines)

@@ -303,6 +303,16 @@ def fp4_bits_to_fp16(c, HI: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def matrix_offsets(rows64, cols, ROW_UNITS: tl.constexpr, CHUNK_UNITS: tl.constexpr, TILED: tl.constexpr):
+    """Offsets [R, C] of elements (rows64[:, None], cols[None, :]) of a matrix with ROW_UNITS per row:
+    row-major, or weight_layout's tiled order (16-row groups of CHUNK_UNITS-wide contiguous blocks)."""
+    if TILED:
+        group = (rows64 // 16) * (16 * ROW_UNITS) + (rows64 % 16) * CHUNK_UNITS
+        return group[:, None] + ((cols // CHUNK_UNITS) * (16 * CHUNK_UNITS) + cols % CHUNK_UNITS)[None, :]
+    return rows64[:, None] * ROW_UNITS + cols[None, :]
+
+
+@triton.jit
 def load_decoded(
     code_ptr,
     scale_ptr,
@@ -313,17 +323,19 @@ def load_decoded(
     BR: tl.constexpr,
     BK: tl.constexpr,
     USE_ASM: tl.constexpr,
+    TILED: tl.constexpr = False,
 ):
-    """Rows of an NVFP4 matrix (codes [R, K/2], scale bytes [R, K/16]) for K columns [k0, k0+BK)
-    -> (even, odd) fp16 tiles [BR, BK/2] holding value * s_b * 2^-7 (exact).
+    """Rows of an NVFP4 matrix (codes [R, K/2], scale bytes [R, K/16]; with TILED in weight_layout's tiled
+    order, R a multiple of 16) for K columns [k0, k0+BK) -> (even, odd) fp16 tiles [BR, BK/2] holding
+    value * s_b * 2^-7 (exact).
 
     value * 2^-14 (fp16 bits) times fp16(s_b * 2^7) has <= 6 significant bits in [2^-17, 21]:
     exact. Callers multiply dot results by 2^14. Rows outside rmask decode to 0.
     """
     p = k0 // 2 + tl.arange(0, BK // 2)
     b = k0 // 16 + tl.arange(0, BK // 16)
-    c = tl.load(code_ptr + rows64[:, None] * (K // 2) + p[None, :], mask=rmask[:, None], other=0)
-    sb = tl.load(scale_ptr + rows64[:, None] * (K // 16) + b[None, :], mask=rmask[:, None], other=0)
+    c = tl.load(code_ptr + matrix_offsets(rows64, p, K // 2, 64, TILED), mask=rmask[:, None], other=0)
+    sb = tl.load(scale_ptr + matrix_offsets(rows64, b, K // 16, 8, TILED), mask=rmask[:, None], other=0)
     if USE_ASM:  # hardware E4M3 -> fp16 (cvt f16x2.e4m3x2, exact; scale bytes are finite and >= 0)
         s16 = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
     else:

@@ -12,7 +12,7 @@ covers KC chunks (unrolled: ptxas issues their loads ahead of the decode); prefe
 the next chunk before decoding this one (a register pipeline, the codes carried as int32 words, since
 loop-carried bytes are one register each); weights_first tiles issue every chunk's code loads of a step
 before its first decode (ptxas otherwise keeps about one chunk ahead). The weights may be row-major or tiled
-(gemm_mma_launch.tile_weights: each 16-row group's chunk one contiguous block). Every CTA reads its tile
+(weight_layout.tile_weights: each 16-row group's chunk one contiguous block). Every CTA reads its tile
 from a row-tile table (row_tiles.RowTiles).
 
 Why: at decode an expert has 1-8 rows, so the GEMM is a stream of FP4 bytes through the decode. This
@@ -27,10 +27,16 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from quads_megatron.kernels.gluon_device import decode_weights, tile_coords, tile_scales, wait_then_release
+from quads_megatron.kernels.gluon_device import (
+    decode_weights,
+    tile_coords,
+    tile_scales,
+    wait_then_release,
+    weight_row_base,
+)
+from quads_megatron.kernels.weight_layout import CHUNK_K
 
-CHUNK_K = 128  # K elements per chunk (64 code bytes per weight row, 16 per thread)
-CHUNK = gl.constexpr(CHUNK_K)  # the same, for the kernel
+CHUNK = gl.constexpr(CHUNK_K)  # K elements per chunk (64 code bytes per weight row, 16 per thread)
 # The activations [row, s, t1, t0, w1, w0, q1, q0] of a chunk of the "pairs" operand (pair 16t + 4w + q of half
 # s) into the k slots (w1 w0 s q1 t1 t0 q0, row last) where gluon_device.decode_weights puts the weight element
 # they multiply (code byte 16t + 4w + q, nibble s): mma.sync's B fragment of lane 4g + t, row g.
@@ -111,16 +117,6 @@ def _word_op(a, b, OP: gl.constexpr):
 
 
 @gluon.jit
-def _row_base(row, ROW_UNITS: gl.constexpr, CHUNK_UNITS: gl.constexpr, TILED: gl.constexpr):
-    """Offset (in the tensor's units) of weight row `row`'s first chunk: row * ROW_UNITS in the row-major
-    layout; in the tiled one, its 16-row group's blocks (ROW_UNITS / CHUNK_UNITS chunks of 16 x CHUNK_UNITS)
-    then its place in the block."""
-    if TILED:
-        return (row // 16) * (16 * ROW_UNITS) + (row % 16) * CHUNK_UNITS
-    return row * ROW_UNITS
-
-
-@gluon.jit
 def w4a4_mma_kernel(
     a_ptr,
     asdec_ptr,
@@ -168,16 +164,18 @@ def w4a4_mma_kernel(
     cr = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, cl)))
     ct = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, cl)))
     cq = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, cl)))
-    # TILED (gemm_mma_launch.tile_weights): each 16-row group's chunk is one 1 KB block of codes (a warp's
+    # TILED (weight_layout.tile_weights): each 16-row group's chunk is one 1 KB block of codes (a warp's
     # 16-byte loads read 512 contiguous bytes) and one 128-byte block of scales; else rows of K / 2 bytes
     C_STEP: gl.constexpr = 1024 if TILED else 64  # bytes from one chunk of a thread's codes to the next
     S_STEP: gl.constexpr = 128 if TILED else 8
     wrow = (e * N + n0 + cr).to(gl.int64)
-    c_ptrs = w_ptr + _row_base(wrow, K // 2, 64, TILED)[:, None, None] + (ct * 16)[None, :, None] + cq[None, None, :]
+    c_ptrs = (
+        w_ptr + weight_row_base(wrow, K // 2, 64, TILED)[:, None, None] + (ct * 16)[None, :, None] + cq[None, None, :]
+    )
     sl: gl.constexpr = gl.SliceLayout(2, CODES_LAYOUT)
     sr = gl.arange(0, BN, layout=gl.SliceLayout(1, sl))
     sb = gl.arange(0, 8, layout=gl.SliceLayout(0, sl))
-    s_ptrs = ws_ptr + _row_base((e * N + n0 + sr).to(gl.int64), K // 16, 8, TILED)[:, None] + sb[None, :]
+    s_ptrs = ws_ptr + weight_row_base((e * N + n0 + sr).to(gl.int64), K // 16, 8, TILED)[:, None] + sb[None, :]
     xr = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl)))
     xs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, xl)))
     xp = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl)))
@@ -199,7 +197,9 @@ def w4a4_mma_kernel(
         wt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
         ww = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
         w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-        cw_ptrs = w32 + _row_base(wr2, K // 8, 16, TILED)[:, None, None] + (wt * 4)[None, :, None] + ww[None, None, :]
+        cw_ptrs = (
+            w32 + weight_row_base(wr2, K // 8, 16, TILED)[:, None, None] + (wt * 4)[None, :, None] + ww[None, None, :]
+        )
         W_STEP: gl.constexpr = C_STEP // 4
         cw = gl.load(cw_ptrs, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
         s = gl.load(s_ptrs, cache_modifier=W_CACHE, eviction_policy=W_EVICT)

@@ -21,6 +21,7 @@ from quads_megatron.kernels.gemm_mma import (
 )
 from quads_megatron.kernels.row_tiles import RowTiles, gemm_row_tiles, grouped_rows
 from quads_megatron.kernels.tile_configs import MmaConfig, mma_config
+from quads_megatron.kernels.weight_layout import weight_dims
 
 
 @functools.cache
@@ -55,39 +56,6 @@ def fit_tile(cfg: MmaConfig, n: int, k: int) -> int:
     return max(c for c in cfg.chunk_choices() if c <= cfg.chunks and (k // CHUNK_K) % c == 0)
 
 
-def tile_weights(w_codes: torch.Tensor, w_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-major weights (codes u8 [E, N, K/2], scales u8 [E, N, K/16]) in the tiled layout grouped_w4a4_mma
-    also reads: codes [E, N/16, K/128, 16, 64] and scales [E, N/16, K/128, 16, 8], so that each 16-row group's
-    128-K chunk is one contiguous block (a warp's loads of it 512 contiguous bytes, not 64 rows 1 KB apart).
-    The same bytes in another order: the products are the same bits."""
-    e, n, k_half = w_codes.shape
-    if n % 16 or (2 * k_half) % CHUNK_K or tuple(w_scales.shape) != (e, n, k_half // 8):
-        raise ValueError(
-            f"tile_weights needs codes [E, N, K/2] and scales [E, N, K/16] with N % 16 == 0 and K % {CHUNK_K} == 0, "
-            f"got {tuple(w_codes.shape)} / {tuple(w_scales.shape)}"
-        )
-    kch = 2 * k_half // CHUNK_K
-    codes = w_codes.reshape(e, n // 16, 16, kch, 64).permute(0, 1, 3, 2, 4).contiguous()
-    scales = w_scales.reshape(e, n // 16, 16, kch, 8).permute(0, 1, 3, 2, 4).contiguous()
-    return codes, scales
-
-
-def _weight_dims(w_codes: torch.Tensor, w_scales: torch.Tensor) -> tuple[int, int, int, bool]:
-    """(E, N, K, tiled) of row-major ([E, N, K/2]) or tile_weights' ([E, N/16, K/128, 16, 64]) weights."""
-    if w_codes.dim() == 5:
-        e, n16, kch, rows, nbytes = w_codes.shape
-        if (rows, nbytes) != (16, 64) or tuple(w_scales.shape) != (e, n16, kch, 16, 8):
-            got = f"{tuple(w_codes.shape)} / {tuple(w_scales.shape)}"
-            raise ValueError(
-                f"tiled mma weights must be tile_weights' [E, N/16, K/128, 16, 64] / [..., 16, 8], got {got}"
-            )
-        if not (w_codes.is_contiguous() and w_scales.is_contiguous()):
-            raise ValueError("tiled mma weights must be contiguous")
-        return e, 16 * n16, CHUNK_K * kch, True
-    e, n, k_half = w_codes.shape
-    return e, n, 2 * k_half, False
-
-
 def grouped_w4a4_mma(
     values: torch.Tensor,
     global_decode: torch.Tensor,
@@ -103,13 +71,13 @@ def grouped_w4a4_mma(
     """y [rows, N] = S_dec_a * S_dec_w[e] * (A @ W_e^T) for the grouped rows of offs (see gemm_triton.grouped_w4a4).
 
     values: fp16 [M, 2, K/2] activation operand in the "pairs" order (act_quant; RAC folded in);
-    global_decode: fp32 [M] or [M, 1]; w_codes u8 [E, N, K/2], w_scales u8 [E, N, K/16] (or both as
-    tile_weights makes them), w_sdec fp32 [E] (may be strided); a_rows: optional token index of each grouped
+    global_decode: fp32 [M] or [M, 1]; w_codes u8 [E, N, K/2], w_scales u8 [E, N, K/16] (or both tiled:
+    weight_layout), w_sdec fp32 [E] (may be strided); a_rows: optional token index of each grouped
     row (values in [0, M), not checked: that would sync). config: the tiles (None: mma_config(rows, K), narrowed
     to N by fit_rows). tiles: RowTiles of offs in block_t-row tiles made beforehand (the activation operand's
     .tiles); None: one tile_map launch.
     """
-    e_count, n, k, tiled = _weight_dims(w_codes, w_scales)
+    e_count, n, k, tiled = weight_dims(w_codes, w_scales)
     k_half = k // 2
     if values.dim() != 3 or values.shape[1:] != (2, k_half) or values.dtype != torch.float16:
         raise ValueError(f"mma operand must be fp16 [M, 2, {k_half}] (pairs), got {values.dtype} {tuple(values.shape)}")

@@ -24,6 +24,7 @@ from quads_megatron.kernels.fp4_device import load_decoded, round_bf16
 from quads_megatron.kernels.pdl import wait_then_release
 from quads_megatron.kernels.row_tiles import RowTiles, gemm_row_tiles, grouped_rows
 from quads_megatron.kernels.tile_configs import TritonGemmConfig, triton_gemm_config
+from quads_megatron.kernels.weight_layout import weight_dims
 from quads_megatron.nvfp4 import NVFP4Tensor
 from quads_megatron.rollout.rac_plan import QuantizedActivation
 
@@ -55,6 +56,7 @@ def _grouped_w4a4_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     PDL: tl.constexpr,
+    TILED: tl.constexpr = False,
 ):
     wait_then_release(PDL)
     pid = tl.program_id(1)  # N tiles vary fastest: a row tile's activations are re-read from L2, not HBM
@@ -74,7 +76,7 @@ def _grouped_w4a4_kernel(
     wrow = e.to(tl.int64) * N + ncols.to(tl.int64)
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, K, BK):
-        w_lo, w_hi = load_decoded(w_ptr, ws_ptr, wrow, nmask, k0, K, BN, BK, USE_ASM)
+        w_lo, w_hi = load_decoded(w_ptr, ws_ptr, wrow, nmask, k0, K, BN, BK, USE_ASM, TILED)
         if A_OPERAND:  # pre-decoded fp16 activation operand [M, 2, K/2] (RAC already folded in)
             pa = a_ptr + arows64[:, None] * K + (k0 // 2 + tl.arange(0, BK // 2))[None, :]
             a_lo = tl.load(pa, mask=rmask[:, None], other=0.0)
@@ -137,7 +139,8 @@ def grouped_w4a4(
     qa: activations of all rows (rows of expert e are offs[e-1]:offs[e]): NVFP4 codes
         (QuantizedActivation, decoded in the GEMM; RAC residual added per tile) or the pre-decoded
         ActivationOperand in the "pairs" order (faster: only weights are decoded; RAC already folded in).
-    w_codes/w_scales/w_sdec: stack_expert_weights output (w_sdec [E] fp32 may be a strided view, e.g.
+    w_codes/w_scales/w_sdec: stack_expert_weights output, codes and scales row-major or both tiled
+    (weight_layout.tile_weights; N % 16 == 0, K % 128 == 0) (w_sdec [E] fp32 may be a strided view, e.g.
     the gate column of a serving engine's [E, 2] weight_scale_2: read in place, nothing derived).
     res_block_mask: int8/bool [K/16] or [E, K/16] marking compensated blocks (None: every block may
     hold residual).
@@ -149,8 +152,7 @@ def grouped_w4a4(
     tiles: RowTiles of offs in block_m-row tiles made beforehand (row_tiles, or the operand's .tiles);
     None: one tile_map launch here.
     """
-    e_count, n, k_half = w_codes.shape
-    k = k_half * 2
+    e_count, n, k, tiled = weight_dims(w_codes, w_scales)
     a_operand = isinstance(qa, ActivationOperand)
     if a_operand and qa.order != "pairs":
         raise ValueError(f"grouped_w4a4 reads the 'pairs' operand order, not {qa.order!r} (the wgmma GEMM's)")
@@ -212,6 +214,7 @@ def grouped_w4a4(
         BM=cfg.block_m,
         BN=cfg.block_n,
         BK=cfg.block_k,
+        TILED=tiled,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl.launch_options(dev),

@@ -27,7 +27,13 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from quads_megatron.kernels.gluon_device import decode_weights, tile_coords, tile_scales, wait_then_release
+from quads_megatron.kernels.gluon_device import (
+    decode_weights,
+    tile_coords,
+    tile_scales,
+    wait_then_release,
+    weight_row_base,
+)
 
 ROWS_PER_WARPGROUP = 64  # weight rows per consumer warpgroup (wgmma's M)
 
@@ -92,16 +98,30 @@ def _decode_and_mma(
 
 @gluon.jit
 def _issue_step(
-    b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, b_rows, step, slot, KC: gl.constexpr, MASK_ROWS: gl.constexpr
+    b_smem,
+    w_smem,
+    s_smem,
+    b_ptrs,
+    w_ptrs,
+    s_ptrs,
+    b_rows,
+    step,
+    slot,
+    KC: gl.constexpr,
+    MASK_ROWS: gl.constexpr,
+    TILED: gl.constexpr,
 ):
     """cp.async the activation rows, code bytes and scale bytes of k-step `step` (KC chunks) into `slot`;
-    MASK_ROWS: activation rows outside b_rows (bool [BT, 1]) are zero-filled, not read."""
+    MASK_ROWS: activation rows outside b_rows (bool [BT, 1]) are zero-filled, not read. TILED: the weights in
+    weight_layout's tiled order (a chunk's next one 16 x further)."""
+    C_STEP: gl.constexpr = 1024 if TILED else 64
+    S_STEP: gl.constexpr = 128 if TILED else 8
     for ch in gl.static_range(KC):
         j = step * KC + ch
         b_mask = b_rows if MASK_ROWS else None
         async_copy.async_copy_global_to_shared(b_smem.index(slot * KC + ch), b_ptrs + j * 128, mask=b_mask)
-        async_copy.async_copy_global_to_shared(w_smem.index(slot * KC + ch), w_ptrs + j * 64)
-        async_copy.async_copy_global_to_shared(s_smem.index(slot * KC + ch), s_ptrs + j * 8)
+        async_copy.async_copy_global_to_shared(w_smem.index(slot * KC + ch), w_ptrs + j * C_STEP)
+        async_copy.async_copy_global_to_shared(s_smem.index(slot * KC + ch), s_ptrs + j * S_STEP)
 
 
 @gluon.jit
@@ -177,6 +197,7 @@ def w4a4_wgmma_kernel(
     CODES_LAYOUT: gl.constexpr,
     MASK_ROWS: gl.constexpr,
     PDL: gl.constexpr,
+    TILED: gl.constexpr = False,
 ):
     wait_then_release(PDL)
     BNW: gl.constexpr = 64 * (NW // 4)
@@ -201,9 +222,17 @@ def w4a4_wgmma_kernel(
     b_rows = (r < row_end)[:, None]  # ... or, with MASK_ROWS, are zero-filled without a read
     b_ptrs = a_ptr + tok[:, None] * K + gl.arange(0, 128, layout=gl.SliceLayout(0, b_copy))[None, :]
     wr = (e * N + n0 + gl.arange(0, BNW, layout=gl.SliceLayout(1, w_copy))).to(gl.int64)
-    w_ptrs = w_ptr + wr[:, None] * (K // 2) + gl.arange(0, 64, layout=gl.SliceLayout(0, w_copy))[None, :]
+    w_ptrs = (
+        w_ptr
+        + weight_row_base(wr, K // 2, 64, TILED)[:, None]
+        + gl.arange(0, 64, layout=gl.SliceLayout(0, w_copy))[None, :]
+    )
     sr = (e * N + n0 + gl.arange(0, BNW, layout=gl.SliceLayout(1, s_copy))).to(gl.int64)
-    s_ptrs = ws_ptr + sr[:, None] * (K // 16) + gl.arange(0, 8, layout=gl.SliceLayout(0, s_copy))[None, :]
+    s_ptrs = (
+        ws_ptr
+        + weight_row_base(sr, K // 16, 8, TILED)[:, None]
+        + gl.arange(0, 8, layout=gl.SliceLayout(0, s_copy))[None, :]
+    )
 
     # k-steps in flight ahead of the one computed: a slot is refilled once every warpgroup has retired
     # the wgmmas that read it, i.e. after the next barrier if each step ends with wait(0) (UNROLL 1),
@@ -211,7 +240,7 @@ def w4a4_wgmma_kernel(
     AHEAD: gl.constexpr = STAGES - 1 if UNROLL == 1 else STAGES - 2
     for i in gl.static_range(AHEAD):  # prologue: k-steps 0 .. AHEAD-1
         if i < NK:
-            _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, b_rows, i, i, KC, MASK_ROWS)
+            _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, b_rows, i, i, KC, MASK_ROWS, TILED)
         async_copy.commit_group()
 
     acc = gl.zeros([BNW, BT], gl.float32, layout=mma)
@@ -227,7 +256,9 @@ def w4a4_wgmma_kernel(
             _cta_barrier()  # everyone's are; the wgmmas of k-step kk+AHEAD-STAGES have retired
             nxt = kk + AHEAD
             if nxt < NK:  # refill the slot k-step kk+AHEAD-STAGES used
-                _issue_step(b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, b_rows, nxt, nxt % STAGES, KC, MASK_ROWS)
+                _issue_step(
+                    b_smem, w_smem, s_smem, b_ptrs, w_ptrs, s_ptrs, b_rows, nxt, nxt % STAGES, KC, MASK_ROWS, TILED
+                )
             async_copy.commit_group()
             for ch in gl.static_range(KC):
                 acc = _decode_and_mma(b_smem, w_smem, s_smem, slot * KC + ch, acc, BNW, CODES_LAYOUT)
@@ -268,6 +299,7 @@ def _ws_loader(
     MASK_ROWS: gl.constexpr,
     STAGED: gl.constexpr,
     PDL: gl.constexpr,
+    TILED: gl.constexpr,
 ):
     """Worker partition (LW warps): for each of this CTA's tiles, cp.async each k-step's activation rows,
     code and scale bytes (KC 128-K chunks, one ring buffer each) into the next ring slot once the
@@ -289,14 +321,17 @@ def _ws_loader(
     else:  # (64-row pieces) half a row per thread
         s_copy: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [LW, 1], [1, 0])
     sa_copy: gl.constexpr = gl.BlockedLayout([1], [32], [LW], [0])  # [BT] fp32, one row per thread
+    # a piece's rows from its first (a multiple of 16: the same base in either layout), chunk steps
     w_off = (
-        gl.arange(0, PIECE, layout=gl.SliceLayout(1, w_copy))[:, None] * (K // 2)
+        weight_row_base(gl.arange(0, PIECE, layout=gl.SliceLayout(1, w_copy)), K // 2, 64, TILED)[:, None]
         + gl.arange(0, 64, layout=gl.SliceLayout(0, w_copy))[None, :]
     )
     s_off = (
-        gl.arange(0, PIECE, layout=gl.SliceLayout(1, s_copy))[:, None] * (K // 16)
+        weight_row_base(gl.arange(0, PIECE, layout=gl.SliceLayout(1, s_copy)), K // 16, 8, TILED)[:, None]
         + gl.arange(0, 8, layout=gl.SliceLayout(0, s_copy))[None, :]
     )
+    C_STEP: gl.constexpr = 1024 if TILED else 64
+    S_STEP: gl.constexpr = 128 if TILED else 8
     wait_then_release(PDL)
     n_tiles = N // BNW
     it = 0  # k-steps issued by this CTA so far: ring slot and phase
@@ -335,8 +370,8 @@ def _ws_loader(
                     w_dst = w_smem.index(buf).slice(pc * PIECE, PIECE)
                     s_dst = s_smem.index(buf).slice(pc * PIECE, PIECE)
                     prow = row0 + pc * PIECE
-                    async_copy.async_copy_global_to_shared(w_dst, (w_ptr + prow * (K // 2) + c * 64) + w_off)
-                    async_copy.async_copy_global_to_shared(s_dst, (ws_ptr + prow * (K // 16) + c * 8) + s_off)
+                    async_copy.async_copy_global_to_shared(w_dst, (w_ptr + prow * (K // 2) + c * C_STEP) + w_off)
+                    async_copy.async_copy_global_to_shared(s_dst, (ws_ptr + prow * (K // 16) + c * S_STEP) + s_off)
             async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
             it += 1
 
@@ -506,6 +541,7 @@ def w4a4_wgmma_ws_kernel(
     NARROW: gl.constexpr,
     STAGED: gl.constexpr,
     PDL: gl.constexpr,
+    TILED: gl.constexpr = False,
 ):
     """Warp-specialized variant of w4a4_wgmma_kernel (KC 128-K chunks per ring slot, 1-step runs): LW
     loader warps fill the ring by cp.async and per-slot mbarriers, the NW consumer warps only decode and
@@ -551,7 +587,7 @@ def w4a4_wgmma_ws_kernel(
                                 wsdec_ptr, y_ptr, y_desc, y_smem, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT,
                                 OVERLAP, 128, NARROW, STAGED, PDL, BNW)),
                 (_ws_loader, (a_ptr, asdec_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, sa_smem,
-                              ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL)),
+                              ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL, TILED)),
             ],
             [4, 4, LW],
             [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS],
@@ -566,7 +602,7 @@ def w4a4_wgmma_ws_kernel(
                                 wsdec_ptr, y_ptr, y_desc, y_smem, N, P, wsdec_stride, K, HAS_AROWS, BT, 4,
                                 CODES_LAYOUT, OVERLAP, 64, NARROW, STAGED, PDL, BNW)),
                 (_ws_loader, (a_ptr, asdec_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, sa_smem,
-                              ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL)),
+                              ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL, TILED)),
             ],
             [4, LW],
             [CONSUMER_REGS, LOADER_REGS],
@@ -578,7 +614,7 @@ def w4a4_wgmma_ws_kernel(
                                 wsdec_ptr, y_ptr, y_desc, y_smem, N, P, wsdec_stride, K, HAS_AROWS, BT, NW,
                                 CODES_LAYOUT, OVERLAP, 0, NARROW, STAGED, PDL, BNW)),
                 (_ws_loader, (a_ptr, asdec_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, sa_smem,
-                              ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL)),
+                              ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL, TILED)),
             ],
             [LW],
             [LOADER_REGS],

@@ -27,6 +27,7 @@ from quads_megatron.kernels.gemm_wgmma import (
 from quads_megatron.kernels.row_tiles import RowTiles, gemm_row_tiles, grouped_rows
 from quads_megatron.kernels.sass_check import disassemble, wgmma_register_hazards
 from quads_megatron.kernels.tile_configs import WgmmaConfig, wgmma_config
+from quads_megatron.kernels.weight_layout import weight_dims
 
 CHUNK = WGMMA_CHUNK  # K elements per k-step and per operand permutation chunk
 
@@ -169,18 +170,18 @@ def grouped_w4a4_wgmma(
     """y [rows, N] = S_dec_a * S_dec_w[e] * (A @ W_e^T) for the grouped rows of offs (see gemm_triton.grouped_w4a4).
 
     values: fp16 [M, K] activation operand in the "wgmma" order; global_decode: fp32 [M] or [M, 1]; w_codes u8
-    [E, N, K/2], w_scales u8 [E, N, K/16], w_sdec fp32 [E] (may be strided); a_rows: optional token index of
-    each grouped row. config: the tiles (None: the tuned ones, wgmma_config(rows, N, out_dtype, k=K)); where K
-    does not allow 2 chunks per step (K % 256, or a one-step loop with loader warps) one is used, and runs
-    are shortened to a divisor of the K loop (run_length). tiles: RowTiles of offs in block_t-row tiles
-    made beforehand (row_tiles.row_tiles, or the activation operand's .tiles); None: one tile_map launch.
+    [E, N, K/2], w_scales u8 [E, N, K/16] (or both tiled: weight_layout), w_sdec fp32 [E] (may be strided);
+    a_rows: optional token index of each grouped row. config: the tiles (None: the tuned ones,
+    wgmma_config(rows, N, out_dtype, k=K)); where K does not allow 2 chunks per step (K % 256, or a one-step
+    loop with loader warps) one is used, and runs are shortened to a divisor of the K loop (run_length).
+    tiles: RowTiles of offs in block_t-row tiles made beforehand (row_tiles.row_tiles, or the activation
+    operand's .tiles); None: one tile_map launch.
 
     Each compiled variant's SASS is checked once (sass_check): multi-step runs or in-slot overlap whose
     wgmma register operand could be rewritten in flight (or whose SASS cannot be read) fall back to the
     safe form, with a warning; a hazard there too raises RuntimeError.
     """
-    e_count, n, k_half = w_codes.shape
-    k = 2 * k_half
+    e_count, n, k, tiled = weight_dims(w_codes, w_scales)
     if values.dim() != 2 or values.shape[1] != k or values.dtype != torch.float16:
         raise ValueError(f"wgmma operand must be fp16 [M, {k}], got {values.dtype} {tuple(values.shape)}")
     if not usable(w_codes.device, n, k):
@@ -210,7 +211,7 @@ def grouped_w4a4_wgmma(
         n,
         w_sdec.stride(0),
     )
-    consts = dict(K=k, HAS_AROWS=a_rows is not None, BT=block_t, MASK_ROWS=mask_rows)
+    consts = dict(K=k, HAS_AROWS=a_rows is not None, BT=block_t, MASK_ROWS=mask_rows, TILED=tiled)
     consts.update(STAGES=stages, NW=num_warps, CODES_LAYOUT=codes_layout(num_warps), num_warps=num_warps)
     consts.update(pdl.launch_options(dev))
     if maxnreg:
@@ -222,7 +223,7 @@ def grouped_w4a4_wgmma(
         tiles_ub = grid[0] * grid[1]  # row tiles are known on the device only: their upper bound
         p = min(tiles_ub, _sm_count(dev) * cfg.ctas_per_sm) if cfg.ctas_per_sm else tiles_ub
         tile = ("ws", k, a_rows is not None, block_t, stages, num_warps, loader_warps, maxnreg, out_dtype)
-        tile += (split, mask_rows, narrow, staged, tma_store)
+        tile += (split, mask_rows, narrow, staged, tma_store, tiled)
         y_desc = TensorDescriptor.from_tensor(y, [block_t, 64], y_box_layout(block_t)) if tma_store else None
         ws_args = (*args[:8], y_desc, *args[8:], p)
         _launch_verified(
@@ -234,7 +235,7 @@ def grouped_w4a4_wgmma(
         )
         return y
     consts["KC"] = chunks
-    tile = (k, a_rows is not None, block_t, stages, chunks, num_warps, maxnreg, out_dtype, unroll, mask_rows)
+    tile = (k, a_rows is not None, block_t, stages, chunks, num_warps, maxnreg, out_dtype, unroll, mask_rows, tiled)
     _launch_verified(
         lambda risky: w4a4_wgmma_kernel[grid](*args, UNROLL=unroll if risky else 1, **consts),
         unroll > 1,

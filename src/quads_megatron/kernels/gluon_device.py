@@ -1,5 +1,6 @@
 """Gluon device functions shared by the Gluon GEMMs (gemm_wgmma, gemm_mma): the programmatic-dependent-launch
-prologue, a tile's coordinates and epilogue scales, and the FP4 weight decode into an MMA's register A operand.
+prologue, a tile's coordinates and epilogue scales, a weight row's address in either layout
+(weight_layout), and the FP4 weight decode into an MMA's register A operand.
 
 The A fragment of wgmma (per warp) and of mma.sync m16n8k16 is the same: lane 4g + t holds rows g and g+8
 and k slots 2t, 2t+1, 2t+8, 2t+9 of each k16. A thread that holds 16 contiguous code bytes of rows g and
@@ -49,6 +50,17 @@ def tile_coords(tmap_ptr, pid):
     """Row tile pid -> (expert e, first grouped row t0, end of e's rows) from tile_map, one round trip;
     e = -1 past the last tile."""
     return gl.load(tmap_ptr + pid * 4), gl.load(tmap_ptr + pid * 4 + 1), gl.load(tmap_ptr + pid * 4 + 2)
+
+
+@gluon.jit
+def weight_row_base(row, ROW_UNITS: gl.constexpr, CHUNK_UNITS: gl.constexpr, TILED: gl.constexpr):
+    """Offset (in the tensor's units) of weight row `row`'s first chunk: row * ROW_UNITS in the row-major
+    layout; in weight_layout's tiled one, its 16-row group's blocks (ROW_UNITS / CHUNK_UNITS chunks of 16 x
+    CHUNK_UNITS) then its place in the block. A chunk's next one is CHUNK_UNITS further (row-major) or 16 x
+    CHUNK_UNITS (tiled)."""
+    if TILED:
+        return (row // 16) * (16 * ROW_UNITS) + (row % 16) * CHUNK_UNITS
+    return row * ROW_UNITS
 
 
 @gluon.jit

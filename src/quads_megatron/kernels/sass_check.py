@@ -189,8 +189,9 @@ _WS_SIGNATURE = {**{k: v for k, v in _SIGNATURE.items() if k not in ("N", "wsdec
 _WS_SIGNATURE.update(N="i32", wsdec_stride="i32", P="i32")
 
 
-def compile_wgmma_sm90(tile, k: int = 2048, pdl: bool = False, dump: str | None = None) -> dict:
-    """Compile the Gluon GEMM at tile (a tile_configs.WgmmaConfig; bf16 output, token-indexed rows, K=k)
+def compile_wgmma_sm90(tile, k: int = 2048, pdl: bool = False, dump: str | None = None, tiled: bool = False) -> dict:
+    """Compile the Gluon GEMM at tile (a tile_configs.WgmmaConfig; bf16 output, token-indexed rows, K=k; tiled:
+    on weight_layout's tiled weights)
     for sm_90 with Triton's ptxas, no GPU needed, and report its SASS: the HGMMA shapes and A operands (a
     register: the decoded weights feed wgmma directly), the wgmma waits (0x1: the next decode overlaps the
     wgmma), register hazards, spills (all, inside the K loop, and whether stores sit only just before a
@@ -209,6 +210,7 @@ def compile_wgmma_sm90(tile, k: int = 2048, pdl: bool = False, dump: str | None 
         overlap, unroll = host.ws_overlap(t.chunks, t.unroll), 1
         consts = dict(K=k, HAS_AROWS=True, BT=t.block_t, STAGES=t.stages, KC=t.chunks, NW=t.num_warps)
         consts.update(OVERLAP=overlap, MASK_ROWS=t.mask_rows, NARROW=t.narrow, A_I64=False, PDL=pdl, STAGED=staged)
+        consts.update(TILED=tiled)
         consts.update(host.ws_launch_consts(t.block_t, t.num_warps, t.chunks, t.loader_warps, t.maxnreg, t.split))
         if not t.tma_store:
             consts["y_desc"] = None
@@ -216,7 +218,7 @@ def compile_wgmma_sm90(tile, k: int = 2048, pdl: bool = False, dump: str | None 
         overlap, unroll = False, host.run_length(k, t.chunks, t.unroll)
         consts = dict(K=k, HAS_AROWS=True, BT=t.block_t, STAGES=t.stages, KC=t.chunks, UNROLL=unroll, NW=t.num_warps)
         consts.update(MASK_ROWS=t.mask_rows, CODES_LAYOUT=dev.codes_layout(t.num_warps), num_warps=t.num_warps)
-        consts.update(PDL=pdl)
+        consts.update(PDL=pdl, TILED=tiled)
     launch_warps = consts.pop("num_warps")  # a compile option, not a constexpr
     signature = {**(_WS_SIGNATURE if t.loader_warps else _SIGNATURE), **dict.fromkeys(consts, "constexpr")}
     if t.tma_store:
@@ -233,6 +235,7 @@ def compile_wgmma_sm90(tile, k: int = 2048, pdl: bool = False, dump: str | None 
     sass = disassemble(compiled.asm["cubin"])
     name = f"wgmma_{t.block_t}_{t.num_warps}_{t.stages}_{t.chunks}_{unroll}_{t.loader_warps}"
     flags = (("split", t.split), ("masked", t.mask_rows), ("narrow", t.narrow), ("pdl", pdl), ("staged", staged))
+    flags += (("tiled", tiled),)
     name += "".join(f"_{flag}" for flag, on in (*flags, ("tma_store", t.tma_store)) if on)
     if dump:
         os.makedirs(dump, exist_ok=True)
@@ -287,7 +290,7 @@ def _k_loop(lines: list[str], first: str) -> list[str]:
 
 def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False, tiled: bool = False) -> dict:
     """Compile the decode-size Gluon GEMM (gemm_mma) at tile (a tile_configs.MmaConfig; bf16 output,
-    token-indexed rows, K=k; tiled: on gemm_mma_launch.tile_weights' layout) for sm_90 with Triton's ptxas, no
+    token-indexed rows, K=k; tiled: on weight_layout.tile_weights' layout) for sm_90 with Triton's ptxas, no
     GPU needed, and report its SASS: the HMMA shapes and how many the K loop issues, its global loads by
     width, shared memory, local memory (spills), registers per thread and the K loop's instructions per
     decoded weight."""
@@ -340,7 +343,7 @@ def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False, tiled: bool = False
 
 def main(argv: list[str] | None = None) -> None:
     """Compile each tile of a JSON list of WgmmaConfig fields (argv[0]; --k K; --mma: MmaConfig fields, the
-    decode-size GEMM; --tiled: that one on tiled weights) and print the reports as one JSON list."""
+    decode-size GEMM; --tiled: on tiled weights) and print the reports as one JSON list."""
     from quads_megatron.kernels.tile_configs import MmaConfig, WgmmaConfig
 
     argv = sys.argv[1:] if argv is None else argv
@@ -356,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps([compile_mma_sm90(MmaConfig(**t), k, tiled=tiled) for t in json.loads(argv[0])]))
         return
     tiles = [WgmmaConfig(**t) for t in json.loads(argv[0])]
-    print(json.dumps([compile_wgmma_sm90(t, k) for t in tiles]))
+    print(json.dumps([compile_wgmma_sm90(t, k, tiled=tiled) for t in tiles]))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quads_megatron.kernels import weight_layout
 from quads_megatron.nvfp4 import BLOCK_SIZE, NVFP4Recipe, NVFP4Tensor
 from quads_megatron.rollout import rac_plan, reference
 
@@ -34,7 +35,9 @@ class ExpertWeights:
 
     w13_codes u8 [E, 2I, H/2] (gate rows, then up rows), w13_scales u8 [E, 2I, H/16] (E4M3 bytes),
     w13_sdec f32 [E] (S_dec, shared by gate and up); w2_codes u8 [E, H, I/2], w2_scales u8
-    [E, H, I/16], w2_sdec f32 [E]. Views of the serving engine's parameters are fine (no copies).
+    [E, H, I/16], w2_sdec f32 [E]. Views of the serving engine's parameters are fine (no copies). Codes and
+    scales may instead be in weight_layout's tiled order (tile_weights; both GEMMs' alike), which every
+    kernel path reads; expert() then returns a row-major copy.
     """
 
     w13_codes: torch.Tensor
@@ -45,40 +48,61 @@ class ExpertWeights:
     w2_sdec: torch.Tensor
 
     def __post_init__(self) -> None:
-        e, two_i, h_half = self.w13_codes.shape
-        if two_i % 2 or self.w2_codes.shape != (e, 2 * h_half, two_i // 4):
+        try:
+            e, two_i, h, t13 = weight_layout.weight_dims(self.w13_codes, self.w13_scales)
+            e2, h2, i, t2 = weight_layout.weight_dims(self.w2_codes, self.w2_scales)
+        except ValueError as err:
+            raise ValueError(f"expert weights: {err}") from err
+        if t13 != t2:
+            raise ValueError("expert weights: w13 and w2 must be in the same layout (both row-major or both tiled)")
+        if two_i % 2 or (e2, h2, i) != (e, h, two_i // 2):
             raise ValueError(
                 f"expert weights: w13 codes {tuple(self.w13_codes.shape)} and w2 codes "
                 f"{tuple(self.w2_codes.shape)} are not [E, 2I, H/2] and [E, H, I/2]"
             )
-        for name, t, want in (
-            ("w13_scales", self.w13_scales, (e, two_i, h_half * 2 // BLOCK_SIZE)),
-            ("w2_scales", self.w2_scales, (e, 2 * h_half, two_i // 2 // BLOCK_SIZE)),
-            ("w13_sdec", self.w13_sdec, (e,)),
-            ("w2_sdec", self.w2_sdec, (e,)),
-        ):
+        checks = [("w13_sdec", self.w13_sdec, (e,)), ("w2_sdec", self.w2_sdec, (e,))]
+        if not t13:
+            checks += [("w13_scales", self.w13_scales, (e, two_i, h // BLOCK_SIZE))]
+            checks += [("w2_scales", self.w2_scales, (e, h, i // BLOCK_SIZE))]
+        for name, t, want in checks:
             if tuple(t.shape) != want:
                 raise ValueError(f"expert weights: {name} has shape {tuple(t.shape)}, expected {want}")
+        object.__setattr__(self, "_dims", (e, h, i, t13))  # (E, H, I, tiled)
 
     @property
     def num_experts(self) -> int:
-        return self.w13_codes.shape[0]
+        return self._dims[0]
 
     @property
     def hidden(self) -> int:
-        return self.w13_codes.shape[2] * 2
+        return self._dims[1]
 
     @property
     def intermediate(self) -> int:
-        return self.w13_codes.shape[1] // 2
+        return self._dims[2]
+
+    @property
+    def tiled(self) -> bool:
+        return self._dims[3]
+
+    def as_tiled(self) -> ExpertWeights:
+        """The same weights in weight_layout's tiled order (new tensors; self if already tiled)."""
+        if self.tiled:
+            return self
+        w13 = weight_layout.tile_weights(self.w13_codes, self.w13_scales)
+        w2 = weight_layout.tile_weights(self.w2_codes, self.w2_scales)
+        return ExpertWeights(*w13, self.w13_sdec, *w2, self.w2_sdec)
 
     def expert(self, e: int, which: str) -> NVFP4Tensor:
-        """Expert e's 'w13' [2I, H] or 'w2' [H, I] as an NVFP4Tensor (views)."""
+        """Expert e's 'w13' [2I, H] or 'w2' [H, I] as an NVFP4Tensor (views; copies of tiled weights)."""
         codes, scales, sdec = (
             (self.w13_codes, self.w13_scales, self.w13_sdec)
             if which == "w13"
             else (self.w2_codes, self.w2_scales, self.w2_sdec)
         )
+        if self.tiled:
+            codes, scales = weight_layout.untile_weights(codes[e : e + 1], scales[e : e + 1])
+            return NVFP4Tensor(codes[0], scales[0].view(torch.float8_e4m3fn), sdec[e].reshape(()))
         return NVFP4Tensor(codes[e], scales[e].view(torch.float8_e4m3fn), sdec[e].reshape(()))
 
 
