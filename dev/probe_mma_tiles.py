@@ -6,6 +6,7 @@ python dev/probe_mma_tiles.py [--tokens 16,32,64,128,256] [--budget-s 300] [--wr
 (CUDA GPU; CUDA-graph replay medians; fc1 reads its operand by token as moe_w4a4 runs it, fc2 one row per
 grouped row)
 After each GEMM's sweep its 3 best tiles run again on tile_weights' layout (A/B, same bits; --no-tiled: not).
+--layout tiled: the sweep and its baseline run on the tiled weights (tiles for serving that layout; no A/B).
 --write-config: the winning tile of each rule into configs/mma_gemm.json under this GPU's name
 (dev/tile_writer.py), and used_up_to_rows: the largest probed row count up to which the best tiles' fc1 + fc2
 beat the other GEMMs' at every probed count (0 where they lose at the first).
@@ -64,7 +65,7 @@ def baseline(rows: int, op_pairs, op_wgmma, offs, tok, w) -> tuple[str, float]:
 
 
 def _nk(w) -> tuple[int, int]:
-    return w[0].shape[1], w[0].shape[2] * 2
+    return weight_layout.weight_dims(w[0], w[1])[1:3]
 
 
 def tiled_ab(name: str, tokens: int, pairs, offs, a_rows, w, tiles: list[dict]) -> bool:
@@ -97,13 +98,15 @@ def main() -> None:
     ap.add_argument("--write-config", action="store_true", help="write the winners into configs/mma_gemm.json")
     ap.add_argument("--no-tiled", dest="tiled", action="store_false", help="skip the tiled-weights A/B")
     ap.add_argument("--tiles", help="JSON list of MmaConfig field dicts to sweep instead of candidates()")
+    ap.add_argument("--layout", choices=("rows", "tiled"), default="rows", help="the weights' layout swept on")
     args = ap.parse_args()
     given = [dataclasses.asdict(MmaConfig(**t)) for t in json.loads(args.tiles)] if args.tiles else None
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
     gemms = {}
     for name, (n, k) in (("fc1", (2 * INTER, HIDDEN)), ("fc2", (HIDDEN, INTER))):
-        gemms[name] = (n, k, expert_weights(g, n, k)[1])
+        w = expert_weights(g, n, k)[1]
+        gemms[name] = (n, k, (*weight_layout.tile_weights(w[0], w[1]), w[2]) if args.layout == "tiled" else w)
     runs = []  # (rule, rows, tile, us) for --write-config
     wins = []  # (rows, best mma fc1 + fc2, baseline fc1 + fc2)
     all_ok = True
@@ -154,7 +157,7 @@ def main() -> None:
                 + "; ".join(f"{u:.1f} {'/'.join(str(t.get(f, False)) for f in FIELDS)}" for u, t in res[:5]),
                 flush=True,
             )
-            if args.tiled:
+            if args.tiled and args.layout == "rows":
                 all_ok &= tiled_ab(name, tokens, pairs, offs, a_rows, w, [t for _, t in res[:3]])
         wins.append((rows, total_best, total_base))
         print(f"tokens {tokens}: fc1 + fc2 mma {total_best:.1f} us vs {total_base:.1f} us", flush=True)
