@@ -100,10 +100,10 @@ class ExpertWeights:
             if which == "w13"
             else (self.w2_codes, self.w2_scales, self.w2_sdec)
         )
-        if self.tiled:
-            codes, scales = weight_layout.untile_weights(codes[e : e + 1], scales[e : e + 1])
-            return NVFP4Tensor(codes[0], scales[0].view(torch.float8_e4m3fn), sdec[e].reshape(()))
-        return NVFP4Tensor(codes[e], scales[e].view(torch.float8_e4m3fn), sdec[e].reshape(()))
+        row = e
+        if self.tiled:  # this expert's slab alone, row-major
+            (codes, scales), row = weight_layout.untile_weights(codes[e : e + 1], scales[e : e + 1]), 0
+        return NVFP4Tensor(codes[row], scales[row].view(torch.float8_e4m3fn), sdec[e].reshape(()))
 
 
 @dataclass(frozen=True)
