@@ -32,6 +32,7 @@ from quads_megatron.kernels.gluon_device import (
     tile_coords,
     tile_scales,
     wait_then_release,
+    weight_chunk_offset,
     weight_row_base,
 )
 from quads_megatron.kernels.weight_layout import CHUNK_K
@@ -166,8 +167,6 @@ def w4a4_mma_kernel(
     cq = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, cl)))
     # TILED (weight_layout.tile_weights): each 16-row group's chunk is one 1 KB block of codes (a warp's
     # 16-byte loads read 512 contiguous bytes) and one 128-byte block of scales; else rows of K / 2 bytes
-    C_STEP: gl.constexpr = 1024 if TILED else 64  # bytes from one chunk of a thread's codes to the next
-    S_STEP: gl.constexpr = 128 if TILED else 8
     wrow = (e * N + n0 + cr).to(gl.int64)
     c_ptrs = (
         w_ptr + weight_row_base(wrow, K // 2, 64, TILED)[:, None, None] + (ct * 16)[None, :, None] + cq[None, None, :]
@@ -200,14 +199,15 @@ def w4a4_mma_kernel(
         cw_ptrs = (
             w32 + weight_row_base(wr2, K // 8, 16, TILED)[:, None, None] + (wt * 4)[None, :, None] + ww[None, None, :]
         )
-        W_STEP: gl.constexpr = C_STEP // 4
         cw = gl.load(cw_ptrs, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
         s = gl.load(s_ptrs, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
         x = gl.load(x_ptrs)
         for j in range(NK * KC):
             nj = gl.minimum(j + 1, NK * KC - 1)  # the last chunk reloads itself
-            cw_n = gl.load(cw_ptrs + nj * W_STEP, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
-            s_n = gl.load(s_ptrs + nj * S_STEP, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+            cw_n = gl.load(
+                cw_ptrs + weight_chunk_offset(nj, 16, TILED), cache_modifier=W_CACHE, eviction_policy=W_EVICT
+            )
+            s_n = gl.load(s_ptrs + weight_chunk_offset(nj, 8, TILED), cache_modifier=W_CACHE, eviction_policy=W_EVICT)
             x_n = gl.load(x_ptrs + nj * 64)
             c16 = gl.convert_layout(_bytes(cw), C16_LAYOUT, assert_trivial=True)
             c = gl.convert_layout(gl.reshape(c16, [BN, 8, 8]), CODES_LAYOUT, assert_trivial=True)
@@ -221,7 +221,11 @@ def w4a4_mma_kernel(
             cs = ()
             mix = gate
             for ch in gl.static_range(KC):
-                c_ch = gl.load(c_ptrs + (j * KC + ch) * C_STEP, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+                c_ch = gl.load(
+                    c_ptrs + weight_chunk_offset(j * KC + ch, 64, TILED),
+                    cache_modifier=W_CACHE,
+                    eviction_policy=W_EVICT,
+                )
                 cs = cs + (c_ch,)
                 mix = _word_op(mix, c_ch, "xor")
             mix = _word_op(mix, gate, "and")  # zero, yet each decode below depends on every chunk's load
@@ -229,16 +233,18 @@ def w4a4_mma_kernel(
                 cc = j * KC + ch
                 c = gl.reshape(_word_op(cs[ch], mix, "or"), [BN, 8, 8])
                 c = gl.convert_layout(c, CODES_LAYOUT, assert_trivial=True)
-                s = gl.load(s_ptrs + cc * S_STEP, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+                s = gl.load(s_ptrs + weight_chunk_offset(cc, 8, TILED), cache_modifier=W_CACHE, eviction_policy=W_EVICT)
                 x = gl.load(x_ptrs + cc * 64)
                 acc = mma_v2(decode_weights(c, s, BN, a_layout), _activations(x, BT, b_layout), acc)
     else:
         for j in range(NK):
             for ch in gl.static_range(KC):  # unrolled: the step's loads are issued ahead of its decodes
                 cc = j * KC + ch
-                c = gl.load(c_ptrs + cc * C_STEP, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+                c = gl.load(
+                    c_ptrs + weight_chunk_offset(cc, 64, TILED), cache_modifier=W_CACHE, eviction_policy=W_EVICT
+                )
                 c = gl.convert_layout(gl.reshape(c, [BN, 8, 8]), CODES_LAYOUT, assert_trivial=True)
-                s = gl.load(s_ptrs + cc * S_STEP, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+                s = gl.load(s_ptrs + weight_chunk_offset(cc, 8, TILED), cache_modifier=W_CACHE, eviction_policy=W_EVICT)
                 x = gl.load(x_ptrs + cc * 64)
                 acc = mma_v2(decode_weights(c, s, BN, a_layout), _activations(x, BT, b_layout), acc)
 

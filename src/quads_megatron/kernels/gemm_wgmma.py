@@ -32,6 +32,7 @@ from quads_megatron.kernels.gluon_device import (
     tile_coords,
     tile_scales,
     wait_then_release,
+    weight_chunk_offset,
     weight_row_base,
 )
 
@@ -114,14 +115,12 @@ def _issue_step(
     """cp.async the activation rows, code bytes and scale bytes of k-step `step` (KC chunks) into `slot`;
     MASK_ROWS: activation rows outside b_rows (bool [BT, 1]) are zero-filled, not read. TILED: the weights in
     weight_layout's tiled order (a chunk's next one 16 x further)."""
-    C_STEP: gl.constexpr = 1024 if TILED else 64
-    S_STEP: gl.constexpr = 128 if TILED else 8
     for ch in gl.static_range(KC):
         j = step * KC + ch
         b_mask = b_rows if MASK_ROWS else None
         async_copy.async_copy_global_to_shared(b_smem.index(slot * KC + ch), b_ptrs + j * 128, mask=b_mask)
-        async_copy.async_copy_global_to_shared(w_smem.index(slot * KC + ch), w_ptrs + j * C_STEP)
-        async_copy.async_copy_global_to_shared(s_smem.index(slot * KC + ch), s_ptrs + j * S_STEP)
+        async_copy.async_copy_global_to_shared(w_smem.index(slot * KC + ch), w_ptrs + weight_chunk_offset(j, 64, TILED))
+        async_copy.async_copy_global_to_shared(s_smem.index(slot * KC + ch), s_ptrs + weight_chunk_offset(j, 8, TILED))
 
 
 @gluon.jit
@@ -330,8 +329,6 @@ def _ws_loader(
         weight_row_base(gl.arange(0, PIECE, layout=gl.SliceLayout(1, s_copy)), K // 16, 8, TILED)[:, None]
         + gl.arange(0, 8, layout=gl.SliceLayout(0, s_copy))[None, :]
     )
-    C_STEP: gl.constexpr = 1024 if TILED else 64
-    S_STEP: gl.constexpr = 128 if TILED else 8
     wait_then_release(PDL)
     n_tiles = N // BNW
     it = 0  # k-steps issued by this CTA so far: ring slot and phase
@@ -370,8 +367,12 @@ def _ws_loader(
                     w_dst = w_smem.index(buf).slice(pc * PIECE, PIECE)
                     s_dst = s_smem.index(buf).slice(pc * PIECE, PIECE)
                     prow = row0 + pc * PIECE
-                    async_copy.async_copy_global_to_shared(w_dst, (w_ptr + prow * (K // 2) + c * C_STEP) + w_off)
-                    async_copy.async_copy_global_to_shared(s_dst, (ws_ptr + prow * (K // 16) + c * S_STEP) + s_off)
+                    async_copy.async_copy_global_to_shared(
+                        w_dst, (w_ptr + prow * (K // 2) + weight_chunk_offset(c, 64, TILED)) + w_off
+                    )
+                    async_copy.async_copy_global_to_shared(
+                        s_dst, (ws_ptr + prow * (K // 16) + weight_chunk_offset(c, 8, TILED)) + s_off
+                    )
             async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
             it += 1
 

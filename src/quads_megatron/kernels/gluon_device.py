@@ -56,11 +56,19 @@ def tile_coords(tmap_ptr, pid):
 def weight_row_base(row, ROW_UNITS: gl.constexpr, CHUNK_UNITS: gl.constexpr, TILED: gl.constexpr):
     """Offset (in the tensor's units) of weight row `row`'s first chunk: row * ROW_UNITS in the row-major
     layout; in weight_layout's tiled one, its 16-row group's blocks (ROW_UNITS / CHUNK_UNITS chunks of 16 x
-    CHUNK_UNITS) then its place in the block. A chunk's next one is CHUNK_UNITS further (row-major) or 16 x
-    CHUNK_UNITS (tiled)."""
+    CHUNK_UNITS) then its place in the block. Chunk c of the row is weight_chunk_offset(c, ...) further."""
     if TILED:
         return (row // 16) * (16 * ROW_UNITS) + (row % 16) * CHUNK_UNITS
     return row * ROW_UNITS
+
+
+@gluon.jit
+def weight_chunk_offset(c, CHUNK_UNITS: gl.constexpr, TILED: gl.constexpr):
+    """Offset of a weight row's chunk c from its first (weight_row_base): chunks are CHUNK_UNITS apart in the
+    row-major layout, one 16-row block (16 x CHUNK_UNITS) apart in the tiled one."""
+    if TILED:
+        return c * (16 * CHUNK_UNITS)
+    return c * CHUNK_UNITS
 
 
 @gluon.jit
