@@ -1,7 +1,7 @@
 """End-to-end SGLang Engine throughput of a Qwen3-30B-A3B-shaped model: bf16, SGLang's online `fp8` (as
 shipped, and `fp8_tuned`: with the fused-MoE kernel configs bench_moe_block.py tuned on this GPU, passed as
 --peer-configs and served through SGLANG_MOE_CONFIG_DIR), and quads_nvfp4 with RAC off / dynamic 50% /
-static 50%.
+static 50% (quads_dyn_rows: dynamic 50% on row-major expert weights, the A/B of the tiled layout).
 
 The model: 128 experts, hidden 2048, moe intermediate 768, top-8, 32 heads / 4 KV heads / head_dim 128,
 vocab --vocab (32768 saves memory and time), --layers layers (>= 12: with fewer, a decode step is mostly the
@@ -14,6 +14,8 @@ Each arm runs in its own process (one Engine, shut down at the end; a crash or h
 batch B: a warm-up, then --repeats times B fresh random prompts of --input-len tokens with max_new_tokens=1
 (prefill) and with max_new_tokens=--new-tokens, ignore_eos (the window): output tok/s = B * new / window,
 decode tok/s = B * (new - 1) / (window - prefill), step = (window - prefill) / (new - 1). Median / min / max.
+Each arm first decodes a fixed probe (PROBE prompts, greedy): quads arms of the same numbers (quads_dyn and
+quads_dyn_rows: the same bits on either weight layout) must give the same tokens, which the report checks.
 The 'layercheck' arm runs quads dynamic on the first --check-layers layers: per-layer and fixed per-step
 time from the two step times say whether the GPU's work dominates a decode step.
 
@@ -162,6 +164,29 @@ def read_peer_file(path: str) -> dict:
     return peer
 
 
+PROBE = {"prompts": 4, "input_len": 32, "new_tokens": 32, "seed": 1234}
+#: arms whose probe tokens must equal quads_dyn's (the same numbers through other code)
+SAME_TOKENS = {"quads_dyn_rows": "quads_dyn"}
+
+
+def probe_ids(engine, vocab: int) -> list[list[int]]:
+    """The output ids of PROBE's fixed random prompts, greedy, in one batch."""
+    rng = random.Random(PROBE["seed"])
+    prompts = [[rng.randrange(vocab) for _ in range(PROBE["input_len"])] for _ in range(PROBE["prompts"])]
+    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": PROBE["new_tokens"]}
+    return [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
+
+
+def token_checks(results: dict) -> dict:
+    """{arm: True/False}: whether an arm of SAME_TOKENS decoded the probe to its reference arm's tokens."""
+    arms = results.get("arms", {})
+    return {
+        a: arms[a]["probe_ids"] == arms[ref]["probe_ids"]
+        for a, ref in SAME_TOKENS.items()
+        if arms.get(a, {}).get("probe_ids") and arms.get(ref, {}).get("probe_ids")
+    }
+
+
 def time_batch(engine, b: int, spec: dict, prompts) -> dict:
     """Warm-up, then per repeat the prefill (max_new_tokens=1) and the window (new tokens) of b requests."""
     new = spec["new_tokens"]
@@ -204,6 +229,7 @@ def run_arm(spec: dict, save) -> dict:
     t0 = time.time()
     engine = Engine(**engine_kwargs(spec))
     out.update(startup_s=time.time() - t0, batches={}, errors={})
+    out["probe_ids"] = probe_ids(engine, spec["vocab"])
     save(out)
     try:
         for b in spec["batches"]:
@@ -270,7 +296,8 @@ def check_gpu_bound(results: dict, moe_block: dict | None = None) -> dict:
 
 
 def ratios(results: dict) -> dict:
-    """Median output tok/s of each quads arm over each peer (fp8, fp8_tuned, bf16), per batch."""
+    """Median output tok/s of each quads arm over each peer (fp8, fp8_tuned, bf16), and of quads_dyn (tiled
+    expert weights) over quads_dyn_rows (row-major), per batch."""
     arms = results.get("arms", {})
     out: dict = {}
     for q in QUADS_ARMS:
@@ -281,6 +308,12 @@ def ratios(results: dict) -> dict:
                     out.setdefault(f"{q}/{peer}", {})[b] = (
                         row["output_tok_s"]["median"] / peer_row["output_tok_s"]["median"]
                     )
+    for b, row in arms.get("quads_dyn", {}).get("batches", {}).items():  # the tiled layout's A/B
+        rows_row = arms.get("quads_dyn_rows", {}).get("batches", {}).get(b)
+        if rows_row:
+            out.setdefault("quads_dyn/quads_dyn_rows", {})[b] = (
+                row["output_tok_s"]["median"] / rows_row["output_tok_s"]["median"]
+            )
     return out
 
 
@@ -347,6 +380,9 @@ def markdown(results: dict) -> str:
             lines.append(f"- {a}: WARNING, {short}")
         if r.get("error"):
             lines.append(f"- {a}: {r['error']}")
+    for a, same in sorted(token_checks(results).items()):
+        verdict = "the same tokens" if same else "FAILED: other tokens"
+        lines.append(f"- {a}: probe ({PROBE['prompts']} greedy prompts) vs {SAME_TOKENS[a]}: {verdict}")
     chk = results.get("gpu_bound_check", {})
     if chk:
         lines += ["", f"GPU-bound check (quads dynamic, {s['layers']} vs {s['check_layers']} layers):", ""]

@@ -15,10 +15,12 @@ import time
 
 import bench_env
 
-QUADS_ARMS = ("quads_off", "quads_dyn", "quads_static")
-ROLLOUT = {  # each quads arm's rollout section (quads_megatron.config)
+QUADS_ARMS = ("quads_off", "quads_dyn", "quads_dyn_rows", "quads_static")
+_DYN = {"activation_scale": "dynamic", "rac": {"enabled": True, "ratio": 0.5, "selection": "dynamic"}}
+ROLLOUT = {  # each quads arm's rollout section (quads_megatron.config); weight_layout auto (tiled) unless named
     "quads_off": {"activation_scale": "dynamic", "rac": {"enabled": False}},
-    "quads_dyn": {"activation_scale": "dynamic", "rac": {"enabled": True, "ratio": 0.5, "selection": "dynamic"}},
+    "quads_dyn": _DYN,
+    "quads_dyn_rows": {**_DYN, "weight_layout": "row_major"},  # the A/B of the tiled expert weights
     "quads_static": {"activation_scale": "static", "rac": {"enabled": True, "ratio": 0.5, "selection": "static"}},
 }
 SHAPE = {"hidden": 2048, "moe_inter": 768, "experts": 128, "topk": 8, "heads": 32, "kv_heads": 4, "head_dim": 128}

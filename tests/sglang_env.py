@@ -47,13 +47,12 @@ QWEN3_MOE = {
 }
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """A tiny BF16 Qwen3-MoE written by transformers, and its `quads convert` output."""
+def write_checkpoints(root, **overrides):
+    """A tiny BF16 Qwen3-MoE (QWEN3_MOE with overrides) written by transformers under root/bf16, and its
+    `quads convert` output under root/nvfp4; returns root."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    root = tmp_path_factory.mktemp("sgl")
-    cfg = {k: v for k, v in QWEN3_MOE.items() if k not in ("architectures", "model_type")}
+    cfg = {k: v for k, v in {**QWEN3_MOE, **overrides}.items() if k not in ("architectures", "model_type")}
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)).to(torch.bfloat16)
     with torch.no_grad():  # experts of different magnitudes (distinct global scales)
@@ -63,6 +62,12 @@ def checkpoints(tmp_path_factory):
     model.save_pretrained(root / "bf16", safe_serialization=True)
     checkpoint.convert_hf(str(root / "bf16"), str(root / "nvfp4"), checkpoint.ConvertOptions(progress=False))
     return root
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny BF16 Qwen3-MoE written by transformers, and its `quads convert` output."""
+    return write_checkpoints(tmp_path_factory.mktemp("sgl"))
 
 
 def read_dir(path) -> dict[str, torch.Tensor]:
@@ -131,6 +136,35 @@ def build_model(path, quantization="quads_nvfp4"):
     return mc, get_model(model_config=mc, load_config=LoadConfig(), device_config=DeviceConfig("cpu"))
 
 
+def rank_model(rank: int, world: int, port: int, path, ep: int):
+    """One rank's SGLang model of a TP=world run on CPU (gloo; ep: expert-parallel size), built in a process
+    of its own (torch.multiprocessing.spawn)."""
+    # a CUDA build of torch on a machine without a GPU: SGLang's NCCL communicator must stay off
+    os.environ["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl-on-a-cpu-machine.so"
+    stub = types.ModuleType("vllm_rope_stub_for_cpu")  # see cpu_runtime
+    stub.rotary_embedding = None
+    sys.modules.setdefault("vllm", types.ModuleType("vllm"))
+    sys.modules.setdefault("vllm._custom_ops", stub)
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.model_loader import get_model
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    plug.register()
+    sa = ServerArgs(model_path=str(path), device="cpu", quantization="quads_nvfp4", tp_size=world, ep_size=ep)
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank))
+    init_distributed_environment(
+        backend="gloo", world_size=world, rank=rank, local_rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}"
+    )
+    initialize_model_parallel(backend="gloo")
+    return get_model(
+        model_config=ModelConfig.from_server_args(sa), load_config=LoadConfig(), device_config=DeviceConfig("cpu")
+    )
+
+
 def model_config(path, quantization):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.server_args import ServerArgs
@@ -138,9 +172,9 @@ def model_config(path, quantization):
     return ModelConfig.from_server_args(ServerArgs(model_path=str(path), device="cpu", quantization=quantization))
 
 
-def routing(t=7, seed=0):
+def routing(t=7, seed=0, hidden=H):
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(t, H, generator=g) * torch.exp(torch.randn(H, generator=g))).bfloat16()
+    x = (torch.randn(t, hidden, generator=g) * torch.exp(torch.randn(hidden, generator=g))).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(t)])
     return x, ids, torch.softmax(torch.randn(t, TOPK, generator=g), -1)
 

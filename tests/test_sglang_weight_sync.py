@@ -21,6 +21,7 @@ from sglang_env import (  # noqa: E402
     expected_experts,
     experts_of,
     param_bytes,
+    rank_model,
     read_dir,
     routing,
 )
@@ -322,33 +323,8 @@ def _parallel_worker(rank: int, world: int, port: int, ckpt: str, ep: int) -> No
     """One rank of a TP=2 SGLang model on CPU (gloo): ep=1 -> attention and expert TP 2, ep=2 -> attention
     TP 2 and expert parallel 2 (two experts a rank). Asserts what this rank loads, writes and refuses."""
     import pathlib
-    import sys
-    import types
 
-    # a CUDA build of torch on a machine without a GPU: SGLang's NCCL communicator must stay off
-    os.environ["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl-on-a-cpu-machine.so"
-    stub = types.ModuleType("vllm_rope_stub_for_cpu")  # see sglang_env
-    stub.rotary_embedding = None
-    sys.modules.setdefault("vllm", types.ModuleType("vllm"))
-    sys.modules.setdefault("vllm._custom_ops", stub)
-    from sglang.srt.configs.device_config import DeviceConfig
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
-    from sglang.srt.model_loader import get_model
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.server_args import ServerArgs
-
-    plug.register()
-    sa = ServerArgs(model_path=f"{ckpt}/nvfp4", device="cpu", quantization="quads_nvfp4", tp_size=world, ep_size=ep)
-    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank))
-    init_distributed_environment(
-        backend="gloo", world_size=world, rank=rank, local_rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}"
-    )
-    initialize_model_parallel(backend="gloo")
-    model = get_model(
-        model_config=ModelConfig.from_server_args(sa), load_config=LoadConfig(), device_config=DeviceConfig("cpu")
-    )
+    model = rank_model(rank, world, port, f"{ckpt}/nvfp4", ep)
     moe = experts_of(model, 0)
     new = perturbed_bf16(pathlib.Path(ckpt), 11)
     experts = {e: packed_expert(new, f"model.layers.0.mlp.experts.{e}") for e in range(E)}

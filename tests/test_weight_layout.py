@@ -9,7 +9,15 @@ import torch
 
 from quads_megatron import nvfp4
 from quads_megatron.kernels import act_quant, gemm_triton
-from quads_megatron.kernels.weight_layout import tile_weights, untile_weights, weight_dims
+from quads_megatron.kernels.weight_layout import (
+    CODE_CHUNK_BYTES,
+    SCALE_CHUNK_BYTES,
+    retile_,
+    tile_weights,
+    tiled_view,
+    untile_weights,
+    weight_dims,
+)
 from quads_megatron.rollout.moe_block import route
 
 
@@ -56,6 +64,46 @@ def test_shapes_the_layout_cannot_hold_are_refused():
         weight_dims(codes[0], scales[0])
 
 
+@pytest.mark.parametrize("scratch_slabs", [1, 2, 5])
+def test_retile_in_place_is_tile_weights_expert_by_expert(scratch_slabs):
+    """retile_ permutes each expert's slab in its own storage into tile_weights' bytes (tiled_view: the 5-D
+    shape, no copy) and back, any run of experts alone, through a scratch of whole slabs (several passes when
+    it holds fewer slabs than the run)."""
+    e, n, k = 5, 32, 256
+    codes, scales = _bytes(e, n, k)
+    tc, ts = tile_weights(codes, scales)
+    c, s = codes.clone(), scales.clone().view(torch.float8_e4m3fn)  # the SGLang parameters' dtypes
+    ptrs = (c.data_ptr(), s.data_ptr())
+    for x, chunk in ((c, CODE_CHUNK_BYTES), (s, SCALE_CHUNK_BYTES)):
+        scratch = torch.empty(scratch_slabs * x[0].numel(), dtype=torch.uint8)
+        retile_(x, chunk, tiled=True, scratch=scratch)
+    assert (c.data_ptr(), s.data_ptr()) == ptrs and c.shape == codes.shape
+    assert torch.equal(tiled_view(c, CODE_CHUNK_BYTES), tc)
+    assert torch.equal(tiled_view(s.view(torch.uint8), SCALE_CHUNK_BYTES), ts)
+    retile_(c, CODE_CHUNK_BYTES, tiled=False, first=1, count=2)
+    assert torch.equal(c[1:3], codes[1:3]) and torch.equal(tiled_view(c, CODE_CHUNK_BYTES)[3:], tc[3:])
+    assert torch.equal(tiled_view(c, CODE_CHUNK_BYTES)[:1], tc[:1])
+    retile_(c, CODE_CHUNK_BYTES, tiled=False, count=1)
+    retile_(c, CODE_CHUNK_BYTES, tiled=False, first=3)
+    assert torch.equal(c, codes)
+
+
+def test_retile_refuses_what_it_cannot_permute_before_writing():
+    codes, _ = _bytes(3, 32, 256)
+    before = codes.clone()
+    for bad, kwargs, pattern in (
+        (codes[:, :24], {}, "N % 16 == 0"),
+        (codes[:, :, :96], {}, "B % 64 == 0"),
+        (codes.float(), {}, "1-byte"),
+        (codes.transpose(1, 2), {}, "contiguous"),
+        (codes, {"first": 2, "count": 2}, "not within"),
+        (codes, {"scratch": torch.empty(100, dtype=torch.uint8)}, "smaller than one expert"),
+    ):
+        with pytest.raises(ValueError, match=pattern):
+            retile_(bad, CODE_CHUNK_BYTES, tiled=True, **kwargs)
+    assert torch.equal(codes, before)
+
+
 @pytest.mark.parametrize("block_k", [128, 256])
 def test_triton_gemm_reads_tiled_weights_to_the_same_bits(block_k):
     """grouped_w4a4 on tile_weights' layout: the same output bits as on row-major weights, for K tiles of one
@@ -64,9 +112,7 @@ def test_triton_gemm_reads_tiled_weights_to_the_same_bits(block_k):
 
     e, n, k, tokens, topk = 4, 64, 512, 6, 2
     g = torch.Generator().manual_seed(3)
-    w = gemm_triton.stack_expert_weights(
-        [nvfp4.quantize(torch.randn(n, k, generator=g) * 0.02) for _ in range(e)]
-    )
+    w = gemm_triton.stack_expert_weights([nvfp4.quantize(torch.randn(n, k, generator=g) * 0.02) for _ in range(e)])
     tiled = (*tile_weights(w[0], w[1]), w[2])
     ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)])
     order, offs, _ = route(ids, e)
@@ -100,7 +146,11 @@ def test_the_moe_block_on_tiled_weights_is_the_same_bits(impl, dynamic_channels)
     rows = _experts(e, h, i)
     tiled = rows.as_tiled()
     assert tiled.tiled and not rows.tiled and (tiled.hidden, tiled.intermediate) == (h, i)
-    assert tiled.as_tiled() is tiled
+    assert tiled.as_tiled() is tiled and rows.as_row_major() is rows
+    back = tiled.as_row_major()
+    assert (
+        not back.tiled and torch.equal(back.w13_codes, rows.w13_codes) and torch.equal(back.w2_scales, rows.w2_scales)
+    )
     g = torch.Generator().manual_seed(6)
     x = torch.randn(t, h, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])

@@ -16,6 +16,7 @@ Example (every key optional; these are the defaults)::
         ratio: 0.5               # fraction of K compensated, rounded up to 16 channels (QUADS: 50%)
         selection: dynamic       # dynamic (per token, no calibration) | static (calibrated per layer)
         metric: residual         # static plans' calibration statistic: residual | amax
+      weight_layout: auto        # expert weights in the GEMMs' tiled order where shapes allow | tiled | row_major
     nvfp4:                       # the NVFP4 variant, in the fields of TE's NVFP4BlockScaling recipe
       nvfp4_4over6: none         # 4over6 block scaling for: none | weights | activations | all
       nvfp4_4over6_e4m3_use_256: all  # 4over6 tensors whose global scale maps amax to 256, not 448
@@ -29,6 +30,12 @@ Example (every key optional; these are the defaults)::
 * rollout.rac.metric: the statistic RAC calibration ranks 16-channel blocks by when it builds static
   plans (``record_expert_inputs(model, config=...)``, examples/calibrate_rac.py): ``residual`` = the
   squared NVFP4 residual |x - dq(q(x))|^2 summed over rows, ``amax`` = the block's max |x|.
+* rollout.weight_layout: the quads_nvfp4 SGLang method permutes each expert's NVFP4 codes and scales in
+  place into the tiled order the grouped GEMMs read fastest (kernels.weight_layout) once loaded, and keeps
+  every later write row-major (integrations.sglang.tiled_layout). ``auto``: where hidden and intermediate
+  per partition are multiples of 128, else row-major; ``tiled``: refuse a layer that cannot be; ``row_major``:
+  never (what ``get_weights_by_name`` and ``load_format="direct"`` updates then see is the checkpoint's
+  order).
 * nvfp4: one section for trainer fake-quant, ``quads convert``, live sync and the rollout, so all of them
   make the same numbers (quads_megatron.nvfp4.NVFP4Recipe; tests/test_te_golden.py checks them against
   TE's reference). Key names and values are TE's (``NVFP4BlockScaling`` / ``NVTE_NVFP4_*``), with one
@@ -55,6 +62,8 @@ import yaml
 from quads_megatron.errors import QuadsConfigError
 from quads_megatron.nvfp4 import ERR_MODES, NVFP4Recipe
 
+#: rollout.weight_layout values: how the quads_nvfp4 SGLang method stores expert weights once loaded
+WEIGHT_LAYOUTS = ("auto", "tiled", "row_major")
 #: trainer.scale_mode values: per-tensor only (what ModelOpt checkpoints and the rollout hold)
 TRAINER_SCALE_MODES = ("tensor",)
 
@@ -94,9 +103,11 @@ class RACConfig:
 class RolloutConfig:
     activation_scale: str = "dynamic"
     rac: RACConfig = field(default_factory=RACConfig)
+    weight_layout: str = "auto"
 
     def __post_init__(self) -> None:
         _check_choice("rollout.activation_scale", self.activation_scale, ("dynamic", "static"))
+        _check_choice("rollout.weight_layout", self.weight_layout, WEIGHT_LAYOUTS)
 
 
 @dataclass(frozen=True)

@@ -243,7 +243,9 @@ def test_bench_prepare_writes_arm_folders(tmp_path):
             cfg = QuadsNvfp4Config.from_config(json.load(f))
         rac = cfg.layer_rac("model.layers.1.mlp.experts", 256, 128)
         got[arm] = (rac.fc1.dynamic_channels, rac.fc1.plan is not None, cfg.rollout.activation_scale)
+        assert cfg.rollout.weight_layout == ("row_major" if arm == "quads_dyn_rows" else "auto")
     assert got == {"quads_off": (0, False, "dynamic"), "quads_dyn": (128, False, "dynamic"),
+                   "quads_dyn_rows": (128, False, "dynamic"),
                    "quads_static": (0, True, "static")}  # fmt: skip
 
 
@@ -293,6 +295,22 @@ def test_bench_results_merge_ratios_check_and_markdown(tmp_path, monkeypatch):
     be.finish(res, str(tmp_path / "bench_engine.json"), args)
     with pytest.raises(SystemExit, match="measured on NVIDIA H200, this is cpu"):
         be.load_results(args)
+
+
+def test_bench_tiled_layout_ab_ratio_and_probe_token_check():
+    """quads_dyn over quads_dyn_rows (the tiled layout's A/B) is a ratio of its own, and the report says whether
+    quads_dyn_rows decoded the probe to quads_dyn's tokens (the same numbers on either weight layout)."""
+    res = {"settings": {"tiny": True, "layers": 2, "vocab": 256, "input_len": 8, "new_tokens": 4, "repeats": 1}}
+    res.update(date="2026-12-07", device={"name": "cpu"}, versions={}, arms={})
+    be.merge_arm(res, "quads_dyn", {**frag({"16": 110.0}), "probe_ids": [[1, 2], [3, 4]]})
+    be.merge_arm(res, "quads_dyn_rows", {**frag({"16": 100.0}), "probe_ids": [[1, 2], [3, 4]]})
+    assert be.ratios(res)["quads_dyn/quads_dyn_rows"] == {"16": pytest.approx(1.1)}
+    assert be.token_checks(res) == {"quads_dyn_rows": True}
+    assert "- quads_dyn_rows: probe (4 greedy prompts) vs quads_dyn: the same tokens" in be.markdown(res)
+    res["arms"]["quads_dyn_rows"]["probe_ids"] = [[1, 2], [3, 5]]
+    assert be.token_checks(res) == {"quads_dyn_rows": False} and "FAILED: other tokens" in be.markdown(res)
+    del res["arms"]["quads_dyn"]["probe_ids"]  # a result from before the probe: nothing to compare
+    assert be.token_checks(res) == {}
 
 
 def test_bench_engine_fp8_tuned_serves_the_tuned_configs(tmp_path, capsys, monkeypatch):

@@ -93,6 +93,14 @@ class ExpertWeights:
         w2 = weight_layout.tile_weights(self.w2_codes, self.w2_scales)
         return ExpertWeights(*w13, self.w13_sdec, *w2, self.w2_sdec)
 
+    def as_row_major(self) -> ExpertWeights:
+        """The same weights row-major (new tensors; self if already row-major)."""
+        if not self.tiled:
+            return self
+        w13 = weight_layout.untile_weights(self.w13_codes, self.w13_scales)
+        w2 = weight_layout.untile_weights(self.w2_codes, self.w2_scales)
+        return ExpertWeights(*w13, self.w13_sdec, *w2, self.w2_sdec)
+
     def expert(self, e: int, which: str) -> NVFP4Tensor:
         """Expert e's 'w13' [2I, H] or 'w2' [H, I] as an NVFP4Tensor (views; copies of tiled weights)."""
         codes, scales, sdec = (

@@ -18,7 +18,9 @@ contract); this module maps SGLang's interfaces onto it.
   SGLang's own FusedMoE.weight_loader loads them; forward = moe_w4a4 (Triton on the GPU). The
   kernels read the parameters in place (scales as views, S_dec as a strided view of
   w13_weight_scale_2): there is no derived tensor that a weight update could leave stale, and
-  storage never moves (CUDA-graph safe).
+  storage never moves (CUDA-graph safe). Once loaded, codes and scales are permuted in place into the
+  GEMMs' tiled order where the shapes allow (rollout.weight_layout; tiled_layout.py keeps every later
+  write row-major).
 * Live weight sync (the custom weight loader) is in weight_sync.py.
 Non-expert layers stay BF16: a checkpoint whose dense linears are NVFP4 is refused.
 """
@@ -35,8 +37,9 @@ from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase, Quant
 from quads_megatron import nvfp4
 from quads_megatron.config import NVFP4Config, RACConfig, RolloutConfig, load_config
 from quads_megatron.errors import QuadsConfigError, QuadsSglangError, RACPlanError
-from quads_megatron.integrations.sglang import compat
+from quads_megatron.integrations.sglang import compat, tiled_layout
 from quads_megatron.integrations.sglang_versions import check_version
+from quads_megatron.kernels import weight_layout
 from quads_megatron.nvfp4 import BLOCK_SIZE
 from quads_megatron.rollout.moe_block import ExpertWeights, GemmRAC, LayerRAC, moe_w4a4
 from quads_megatron.rollout.rac_plan import RACPlan
@@ -382,6 +385,22 @@ class QuadsNvfp4MoEMethod(FusedMoEMethodBase):
         add("w13_input_scale", (layer.num_experts, 2), torch.float32, 0.0, _sglang_require_global_experts=True)
         add("w2_input_scale", (layer.num_experts,), torch.float32, 0.0, _sglang_require_global_experts=True)
         self.rac = self.quant_config.layer_rac(self.prefix, h, i)
+        self.tiled = self._wants_tiled(layer, h, i)
+        if self.tiled:
+            tiled_layout.guard_loader(layer)
+
+    def _wants_tiled(self, layer: torch.nn.Module, hidden: int, inter: int) -> bool:
+        """Whether this layer's weights are tiled once loaded (rollout.weight_layout; see tiled_layout)."""
+        choice = self.quant_config.rollout.weight_layout
+        if choice == "row_major":
+            return False
+        why = tiled_layout.tileable(hidden, inter) or tiled_layout.loader_hook_missing(layer)
+        if why and choice == "tiled":
+            raise QuadsSglangError(
+                f"{self.prefix}: rollout.weight_layout is tiled ({self.quant_config.rollout_source}) but {why}; "
+                "set rollout.weight_layout: auto or row_major"
+            )
+        return why is None
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config) -> None:
         bad = compat.runner_config_unsupported(moe_runner_config)
@@ -400,17 +419,18 @@ class QuadsNvfp4MoEMethod(FusedMoEMethodBase):
         if self.quant_config.rollout.activation_scale == "static":
             check_input_scales(layer, self.prefix, self.quant_config.rollout_source)
         self.rac = self.rac.on(layer.w13_weight.device)  # plan masks on the device once
+        if self.tiled:  # once: update_weights_from_disk calls this again on a layer kept tiled
+            tiled_layout.set_tiled(layer, True)
 
     def expert_weights(self, layer: torch.nn.Module) -> ExpertWeights:
-        """Views of the layer's parameters (no copies; in-place updates are seen by the next call)."""
-        return ExpertWeights(
-            layer.w13_weight,
-            layer.w13_weight_scale.view(torch.uint8),
-            layer.w13_weight_scale_2[:, 0],
-            layer.w2_weight,
-            layer.w2_weight_scale.view(torch.uint8),
-            layer.w2_weight_scale_2,
-        )
+        """Views of the layer's parameters (no copies; in-place updates are seen by the next call): row-major
+        [E, N, K/2] / [E, N, K/16], or the same storage as weight_layout's tiled 5-D shapes."""
+        w13, s13 = layer.w13_weight, layer.w13_weight_scale.view(torch.uint8)
+        w2, s2 = layer.w2_weight, layer.w2_weight_scale.view(torch.uint8)
+        if tiled_layout.is_tiled(layer):
+            w13, w2 = (weight_layout.tiled_view(w, weight_layout.CODE_CHUNK_BYTES) for w in (w13, w2))
+            s13, s2 = (weight_layout.tiled_view(s, weight_layout.SCALE_CHUNK_BYTES) for s in (s13, s2))
+        return ExpertWeights(w13, s13, layer.w13_weight_scale_2[:, 0], w2, s2, layer.w2_weight_scale_2)
 
     def static_amax(self, layer: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.quant_config.rollout.activation_scale != "static":

@@ -9,6 +9,8 @@ expert in range, shape (the full tensor; the loader takes this rank's TP shard),
 scale signs, gate/up pairing. One bad tensor refuses the whole update (QuadsSglangError naming the first
 and the count); otherwise the model's own load_weights copies into the existing storage.
 
+Layers that store their weights tiled (tiled_layout) are untiled once before the write and tiled again after.
+
 A flat bucket (checkpoint.flat_buckets: one uint8 tensor and its metadata in the name) is unflattened
 first and then checked and written like the tensors it holds.
 
@@ -28,6 +30,7 @@ import torch
 from quads_megatron import nvfp4
 from quads_megatron.checkpoint.live_sync import FLAT_PREFIX, unflatten_bucket
 from quads_megatron.errors import QuadsSglangError
+from quads_megatron.integrations.sglang import tiled_layout
 from quads_megatron.integrations.sglang.method import check_expert_params
 from quads_megatron.integrations.sglang.update_targets import (
     PER_TENSOR_KINDS,
@@ -265,6 +268,8 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
     """
     named = _unflattened(named_tensors)
     targets = check_update(model, named)
-    model.load_weights(_quantized_from_bf16(named, targets))
-    for path, layer in {t.path: t.module for t in targets if t.quads}.items():
+    layers = {t.path: t.module for t in targets if t.quads}
+    with tiled_layout.row_major(layers.values()):  # each tiled layer untiled and tiled again once, not per tensor
+        model.load_weights(_quantized_from_bf16(named, targets))
+    for path, layer in layers.items():
         check_expert_params(layer, path)
