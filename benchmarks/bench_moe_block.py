@@ -1,8 +1,10 @@
 """Decode speed of the whole MoE expert block at Qwen3-30B-A3B expert shapes (128 experts, hidden 2048,
 moe intermediate 768, top-8), random routing, the same inputs for every arm, CUDA-graph replays:
 
-* ours: quads_megatron moe_w4a4(impl="auto"), W4A4 NVFP4 (what the quads_nvfp4 SGLang method runs);
-  ours_rac50: + dynamic RAC 50%; ours_rac50_static: + static RAC 50% plans (timing depends on the count);
+* ours: quads_megatron moe_w4a4(impl="auto"), W4A4 NVFP4 (what the quads_nvfp4 SGLang method runs), on
+  --layout's expert weights (default tiled, kernels/weight_layout.py: what the method serves at these
+  shapes; ours_other_layout: the same block on the other one); ours_rac50: + dynamic RAC 50%;
+  ours_rac50_static: + static RAC 50% plans (timing depends on the count);
 * sglang_fp8 / sglang_fp8_tensor / sglang_bf16: SGLang's own fused MoE as its engine runs it on Hopper
   (fused_experts: moe_align_block_size, its Triton GEMMs, fused SiLU*up, top-k sum) for FP8 w8a8
   block [128, 128] weights, per-tensor FP8 weights (what quantization="fp8" makes online) and bf16, each
@@ -52,7 +54,7 @@ ARMS = (
     "ours_torch_route",
     "ours_no_mma",
     "ours_other_routing",
-    "ours_tiled",
+    "ours_other_layout",
     "sglang_fp8",
     "sglang_fp8_tuned",
     "sglang_fp8_tensor",
@@ -165,7 +167,8 @@ def markdown(result: dict) -> str:
         "(kernels/gemm_mma.py): Triton at <= 1024 grouped rows, the Gluon wgmma kernel above (A/B, same run).",
         "'ours, other routing': the same block with the routing 'ours' does not use (routing: 'fused' = by",
         "extra programs of fc1's quantization launch, QUADS_FUSED_ROUTING=1; 'own' = the routing kernel's launch).",
-        "'ours, tiled weights': the same block on the experts in kernels/weight_layout.py's tiled order (A/B).",
+        f"Expert weights {result.get('layout', 'row_major')} (kernels/weight_layout.py); 'ours, other layout': same",
+        "the block on the other layout (A/B).",
         "",
     ]
     shipped = result.get("sglang_tuned_configs") or {}
@@ -196,7 +199,7 @@ def markdown(result: dict) -> str:
     ]
     head += ["RAC50 vs FP8", "RAC50 vs FP8 tuned", "NVFP4 floor", "ours % floor", "FP8 floor", "FP8 % floor"]
     head += ["FP8 tuned % floor", "ours max err", "ours, torch routing", "ours GEMM", "ours, no mma GEMM"]
-    head += ["routing", "ours, other routing", "ours, tiled weights"]
+    head += ["routing", "ours, other routing", "ours, other layout"]
     rows = []
     for r in result["rows"]:
         rows.append(
@@ -213,7 +216,7 @@ def markdown(result: dict) -> str:
                 f(r.get("ours_max_abs_err"), ".2e"),
                 f(r.get("ours_torch_route_us")), r.get("ours_impl", "-"), f(r.get("ours_no_mma_us")),
                 {True: "fused", False: "own"}.get(r.get("fused_routing"), "-"), f(r.get("ours_other_routing_us")),
-                f(r.get("ours_tiled_us")),
+                f(r.get("ours_other_layout_us")),
             ]
         )  # fmt: skip
     lines += bench_env.table(head, rows)
@@ -230,7 +233,12 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         errs = ", ".join(f"{k} {v:.3g}" for k, v in sorted(r.get("rel_err_vs_bf16", {}).items()))
         state = "PASS" if r.get("check_ok") else "FAIL"
-        lines.append(f"- {r['tokens']} tokens: {state} (rel err {f(r.get('ours_rel_err'), '.2e')}); vs bf16: {errs}")
+        same = {True: "; other layout: the same bits", False: "; other layout: OTHER BITS"}.get(
+            r.get("other_layout_same_bits"), ""
+        )
+        lines.append(
+            f"- {r['tokens']} tokens: {state} (rel err {f(r.get('ours_rel_err'), '.2e')}{same}); vs bf16: {errs}"
+        )
         for arm, e in sorted(r.get("errors", {}).items()):
             lines.append(f"  - {arm} not measured: {e}")
     return "\n".join(lines) + "\n"
@@ -266,8 +274,9 @@ def nvfp4_experts(w13: torch.Tensor, w2: torch.Tensor) -> moe.ExpertWeights:
     return moe.ExpertWeights(*stack(w13), *stack(w2))
 
 
-def make_inputs(shape: dict, device: str, seed: int = 0) -> dict:
-    """Random bf16 experts (distinct magnitudes) and every arm's weights made from them."""
+def make_inputs(shape: dict, device: str, seed: int = 0, tiled: bool = False) -> dict:
+    """Random bf16 experts (distinct magnitudes) and every arm's weights made from them (ours: tiled or
+    row-major NVFP4)."""
     e, h, i = shape["experts"], shape["hidden"], shape["inter"]
     g = torch.Generator(device=device).manual_seed(seed)
     mag = torch.linspace(1, 4, e, device=device).view(e, 1, 1)
@@ -276,7 +285,7 @@ def make_inputs(shape: dict, device: str, seed: int = 0) -> dict:
     return {
         "w13": w13,
         "w2": w2,
-        "nvfp4": nvfp4_experts(w13, w2),
+        "nvfp4": nvfp4_experts(w13, w2).as_tiled() if tiled else nvfp4_experts(w13, w2),
         "fp8_block": (*fp8_block_quant(w13), *fp8_block_quant(w2)),
         "fp8_tensor": (*fp8_tensor_quant(w13), *fp8_tensor_quant(w2)),
         "gen": g,
@@ -506,11 +515,11 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
 
     row["fused_routing"] = moe.fused_routing(ids.numel())
     fns["ours_other_routing"] = ours_other_routing
-    if "ours_tiled" in args.arms:  # A/B of the weights' layout (kernels/weight_layout.py), tiled once a run
-        if "nvfp4_tiled" not in inp:
-            inp["nvfp4_tiled"] = weights.as_tiled()
-        tiled = inp["nvfp4_tiled"]
-        fns["ours_tiled"] = lambda: moe.moe_w4a4(t["x"], ids, t["w"], tiled, impl="auto", check=False)
+    if "ours_other_layout" in args.arms:  # A/B of the weights' layout (kernels/weight_layout.py), made once a run
+        if "nvfp4_other" not in inp:
+            inp["nvfp4_other"] = weights.as_row_major() if weights.tiled else weights.as_tiled()
+        other = inp["nvfp4_other"]
+        fns["ours_other_layout"] = lambda: moe.moe_w4a4(t["x"], ids, t["w"], other, impl="auto", check=False)
     if cuda:  # A/B of the decode-size GEMM: the GEMMs auto ran without it
         no_mma = moe.gemm_impl(t["x"].device, weights, ids.numel(), mma=False)
         fns["ours_no_mma"] = lambda: moe.moe_w4a4(t["x"], ids, t["w"], weights, impl=no_mma, check=False)
@@ -547,6 +556,9 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
         row["ours_max_abs_err"] = float((got.float() - want.float()).abs().max())
         row["ours_rel_err"] = rel_err(got, want)
         row["check_ok"] = bool(torch.isfinite(got).all()) and row["ours_rel_err"] < args.check_rtol
+        if "ours_other_layout" in fns and "ours_other_layout" in args.arms:  # a layout moves bytes, not bits
+            row["other_layout_same_bits"] = torch.equal(got, fns["ours_other_layout"]())
+            row["check_ok"] &= row["other_layout_same_bits"]
     except Exception as e:
         row["errors"]["check"] = f"{type(e).__name__}: {e}"[:300]
         row["check_ok"] = False
@@ -566,6 +578,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--peer-rep-ms", type=int, default=20, help="replay time per config of the FP8 peer's tuning")
     ap.add_argument("--peer-budget-s", type=float, default=60.0, help="seconds of FP8 peer tuning per size")
     ap.add_argument("--check-rtol", type=float, default=5e-3, help="ours vs reference relative error bound")
+    ap.add_argument(
+        "--layout", choices=("tiled", "row_major"), default="tiled", help="the NVFP4 expert weights' layout of 'ours'"
+    )
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, reference path, no SGLang")
     ap.add_argument("--workdir", default="/tmp/quads_bench_moe_block", help="scratch (SGLang's model config)")
     args = ap.parse_args(argv)
@@ -604,8 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.pop("SGLANG_MOE_CONFIG_DIR", None) is not None:  # "shipped" must mean SGLang's own files
         log("SGLANG_MOE_CONFIG_DIR of this shell ignored: the SGLang arms start from the configs SGLang ships")
     result = {**bench_env.header(), "shape": shape, "hbm_tbps": args.hbm_tbps, "dry_run": args.dry_run, "rows": []}
+    result["layout"] = args.layout
     t0 = time.time()
-    inp = make_inputs(shape, args.device)
+    inp = make_inputs(shape, args.device, tiled=args.layout == "tiled")
     sgl = None
     if args.device == "cuda" and any(a.startswith("sglang") for a in args.arms):
         try:

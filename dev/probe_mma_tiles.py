@@ -36,17 +36,26 @@ FIELDS = ("block_t", "num_warps", "row_groups", "chunks", "prefetch", "weight_lo
 
 
 def candidates(rows: int) -> list[dict]:
-    """8-token tiles up to 512 grouped rows (16 and 64 tokens at top-8), 16-token ones above: row groups x
-    chunks per k-step (the weight bytes a thread has in flight: 16 per row, chunk and group), the weights'
-    cache hint on the smaller ones, one register-pipelined tile, and 2-8 chunks with every code load of the
-    step issued first (weights_first; 3 chunks too, fc2's K = 768 in two steps)."""
-    bt = 8 if rows <= 512 else 16
-    shapes = [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)] if bt == 8 else [(1, 1), (1, 2), (2, 2), (1, 4)]
+    """8-token tiles up to 512 grouped rows (16 and 64 tokens at top-8), 16- and 32-token ones above: row
+    groups x chunks per k-step (the weight bytes a thread has in flight: 16 per row, chunk and group), the
+    weights' cache hint on the smaller ones, one register-pipelined tile, and 2-8 chunks with every code load
+    of the step issued first (weights_first; 3 chunks too, fc2's K = 768 in two steps). 32 token rows: an
+    expert's weights read once where it has 17-32 rows (256 tokens: 16 a hit expert on average)."""
+    first = [(4, 2), (4, 3), (4, 4), (4, 8), (8, 3), (8, 4)]
+    if rows <= 512:
+        return _candidates(8, [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)], first)
+    out = _candidates(16, [(1, 1), (1, 2), (2, 2), (1, 4)], first)
+    return out + _candidates(32, [(1, 1), (1, 2), (1, 4)], [(4, 2), (4, 4), (8, 2)])
+
+
+def _candidates(bt: int, shapes: list[tuple[int, int]], first: list[tuple[int, int]]) -> list[dict]:
+    """block_t = bt: 4 and 8 warps x (row groups, chunks) shapes, the first two with each cache hint, one
+    prefetch tile, and weights_first at (warps, chunks) of first."""
     out = [(bt, nw, rg, kc, False, "default") for nw in (4, 8) for rg, kc in shapes]
     out += [(bt, 4, rg, kc, False, wl) for wl in ("cg", "evict_first") for rg, kc in shapes[:2]]
     out.append((bt, 4, 2, 1, True, "default"))
     out = [(*t, False) for t in out]
-    out += [(bt, nw, 1, kc, False, "default", True) for nw, kc in ((4, 2), (4, 3), (4, 4), (4, 8), (8, 3), (8, 4))]
+    out += [(bt, nw, 1, kc, False, "default", True) for nw, kc in first]
     return [dict(zip(FIELDS, t, strict=True)) for t in out]
 
 

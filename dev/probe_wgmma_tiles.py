@@ -3,9 +3,10 @@ fc2) shape, per token count, side by side with the Triton GEMM at its tuned tile
 each tile is checked against the Triton GEMM (same exact products, other fp32 order).
 
 python dev/probe_wgmma_tiles.py [--tokens 16,64,256,1024,4096,16384] [--budget-s 300] [--match REGEX]
-    [--mask-rows] [--narrow] [--gemm fc1|fc2] [--write-config]
+    [--mask-rows] [--narrow] [--gemm fc1|fc2] [--layout rows|tiled] [--write-config]
 (CUDA GPU; CUDA-graph replay medians; fc1: token-indexed rows as moe_w4a4 runs it, fc2: one operand row per
-grouped row, N = hidden, K = intermediate; no RAC)
+grouped row, N = hidden, K = intermediate; no RAC; --layout tiled: every quads GEMM on weight_layout's
+tiled weights, the layout the SGLang method serves)
 --write-config: the winning tile of each rule the probed row counts fall in (the GEMM's N and K, bf16
 output) into configs/wgmma_gemm.json under this GPU's name (dev/tile_writer.py); fc2's K falls in the
 max_k rules.
@@ -25,7 +26,7 @@ import triton.runtime.errors
 import triton.testing
 
 from quads_megatron import nvfp4
-from quads_megatron.kernels import act_quant, gemm_triton, tile_configs
+from quads_megatron.kernels import act_quant, gemm_triton, tile_configs, weight_layout
 from quads_megatron.kernels import gemm_wgmma_launch as wg
 from quads_megatron.kernels.tile_configs import WgmmaConfig
 from quads_megatron.rollout.moe_block import route
@@ -149,12 +150,15 @@ def main() -> None:
     ap.add_argument("--narrow", action="store_true", help="also each warp-specialized tile (BT >= 32) with narrow")
     ap.add_argument("--write-config", action="store_true", help="write the winners into configs/wgmma_gemm.json")
     ap.add_argument("--gemm", choices=("fc1", "fc2"), default="fc1", help="fc2: N=hidden, K=inter (its max_k rules)")
+    ap.add_argument("--layout", choices=("rows", "tiled"), default="rows", help="the NVFP4 weights' layout")
     args = ap.parse_args()
     n_out, k_in = (2 * INTER, HIDDEN) if args.gemm == "fc1" else (HIDDEN, INTER)
     runs = []  # (rule, rows, tile, us) for --write-config
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
     w, (wc, wsc, wsd) = expert_weights(g, n_out, k_in)
+    if args.layout == "tiled":
+        wc, wsc = weight_layout.tile_weights(wc, wsc)
     w_amax = w.float().abs().amax(-1)
     w8 = (w.float() / (w_amax / 448).unsqueeze(-1)).to(torch.float8_e4m3fn)
     for tokens in (int(t) for t in args.tokens.split(",")):

@@ -359,10 +359,10 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
 
 @pytest.mark.parametrize("layer", ["fc1", "fc2"])
 def test_mma_gemm_matches_the_triton_gemm(layer):
-    """Same exact products, fp32 sums in another order: equal to ~1e-7 relative on every tile (row tails past
-    the tile, an expert without rows, experts with more rows than a tile, token-indexed and plain rows, bf16
-    and fp32 outputs), the same bits on tile_weights' layout, and the whole block on the tuned tiles at decode
-    sizes."""
+    """Same exact products, fp32 sums in another order: equal to ~1e-7 relative on every tile (8, 16 and 32
+    token rows; row tails past the tile, an expert without rows, experts with more rows than a tile,
+    token-indexed and plain rows, bf16 and fp32 outputs), the same bits on tile_weights' layout, and the
+    whole block on the tuned tiles at decode sizes."""
     from quads_megatron import nvfp4
     from quads_megatron.kernels import act_quant, gemm_triton, tile_configs, weight_layout
     from quads_megatron.kernels import gemm_mma_launch as mm
@@ -375,7 +375,7 @@ def test_mma_gemm_matches_the_triton_gemm(layer):
         [nvfp4.quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02) for _ in range(E)]
     )
     tiled = (*weight_layout.tile_weights(w[0], w[1]), w[2])  # the same weights, 16-row groups' chunks contiguous
-    for t in (5, 37):  # 0-3 rows per expert, and up to ~25 (several 8- and 16-row tiles)
+    for t in (5, 37, 300):  # 0-3 rows per expert, up to ~10, and ~19 (up to ~35: several 32-row tiles)
         ids = torch.stack([torch.randperm(E - 1, generator=g, device="cuda")[:TOPK] for _ in range(t)])
         order, offs, _ = route(ids, E)
         tok = order // TOPK
@@ -393,7 +393,8 @@ def test_mma_gemm_matches_the_triton_gemm(layer):
                 for bt, nw, rg, kc, pf in [(8, 4, 1, 1, 0), (8, 4, 1, 2, 0), (8, 4, 2, 2, 0), (8, 8, 1, 2, 0),
                                            (16, 4, 1, 1, 0), (16, 4, 2, 2, 0), (16, 8, 2, 1, 0), (8, 4, 2, 1, 1),
                                            (16, 8, 1, 1, 1), (8, 4, 1, 4, 2), (8, 4, 2, 8, 2),
-                                           (16, 4, 1, 2, 2), (8, 4, 1, 3, 2)]:  # fmt: skip  (pf 2: weights_first)
+                                           (16, 4, 1, 2, 2), (8, 4, 1, 3, 2), (32, 4, 1, 2, 0), (32, 8, 1, 1, 0),
+                                           (32, 4, 1, 4, 2), (32, 4, 2, 1, 1)]:  # fmt: skip  (pf 2: weights_first)
                     kw = MmaConfig(block_t=bt, num_warps=nw, row_groups=rg, chunks=kc, prefetch=pf == 1,
                                    weights_first=pf == 2)  # fmt: skip
                     got = mm.grouped_w4a4_mma(op.values, op.global_decode, offs, *w, dtype, a_rows, config=kw)

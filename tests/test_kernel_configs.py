@@ -106,7 +106,7 @@ def test_lookups_give_their_dataclass_for_every_shape():
         (lambda: WgmmaConfig(block_t=16, num_warps=8, stages=3, narrow=True), "narrow=True"),
         (lambda: WgmmaConfig(block_t=16, num_warps=8, stages=3, tma_store=True), "tma_store=True"),
         (lambda: WgmmaConfig(block_t=16, num_warps=8, stages=3, split=1), "must be a bool"),
-        (lambda: MmaConfig(block_t=32), "block_t=32"),
+        (lambda: MmaConfig(block_t=64), "block_t=64"),
         (lambda: MmaConfig(num_warps=2), "num_warps=2"),
         (lambda: MmaConfig(row_groups=8), "row_groups=8"),
         (lambda: MmaConfig(weight_loads="cs"), "weight_loads"),

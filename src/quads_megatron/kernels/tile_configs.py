@@ -132,7 +132,7 @@ class WgmmaConfig:
 @dataclass(frozen=True)
 class MmaConfig:
     """Tiles of the decode-size Gluon GEMM (gemm_mma_launch.grouped_w4a4_mma): block_t token rows per tile
-    (mma.sync's N, 8 or 16), num_warps warps of row_groups x 16 weight rows each, chunks 128-K chunks
+    (mma.sync's N, 8, 16 or 32), num_warps warps of row_groups x 16 weight rows each, chunks 128-K chunks
     loaded per k-step (fewer where K's chunks do not divide by it: gemm_mma_launch.fit_tile); prefetch:
     instead, one chunk per step with the next chunk's loads issued before this one's decode (a register
     pipeline); weight_loads: the cache hint of the weight codes' and scales' loads (read once): "default",
@@ -157,8 +157,8 @@ class MmaConfig:
             raise KernelConfigError("MmaConfig: prefetch and weights_first are two K loops; pick one")
         if self.weight_loads not in ("default", "cg", "evict_first"):
             raise KernelConfigError(f"MmaConfig.weight_loads={self.weight_loads!r}: 'default', 'cg' or 'evict_first'")
-        if self.block_t not in (8, 16):
-            raise KernelConfigError(f"MmaConfig.block_t={self.block_t}: 8 or 16")
+        if self.block_t not in (8, 16, 32):
+            raise KernelConfigError(f"MmaConfig.block_t={self.block_t}: 8, 16 or 32")
         chunks = self.chunk_choices()
         if self.num_warps not in (4, 8) or self.row_groups not in (1, 2, 4) or self.chunks not in chunks:
             raise KernelConfigError(
