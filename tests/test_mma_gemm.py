@@ -93,9 +93,10 @@ def test_kernel_compiles_for_sm90_streaming_registers_only(k):
         assert set(r["loop_load_ops"]) == {"LDG.E.128", *want}, r  # activations: 16 bytes, no hint
         assert r["spills"] == 0, r
         # decode (11 per 8 weights), scale (1 per 2), loads, MMAs and the loop: under 3 instructions a weight
-        # (the Triton and Gluon wgmma GEMMs: 3.6); a register pipeline adds moves at 16 token rows; 32 token
-        # rows take four MMAs per decoded weight fragment
-        assert r["per_weight"] < (3.4 if t.block_t == 32 else 3.2 if t.prefetch and t.block_t == 16 else 2.8), r
+        # (the Triton and Gluon wgmma GEMMs: 3.6); 16 token rows take two MMAs per decoded weight fragment
+        # (a register pipeline adds moves there), 32 rows four
+        bound = {8: 2.8, 16: 3.2 if t.prefetch else 2.9, 32: 3.4}[t.block_t]
+        assert r["per_weight"] < bound, r
 
 
 def test_kernel_compiles_on_tiled_weights():

@@ -147,8 +147,10 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
         # no local memory, but for the loader's register handoff in the warp-specialized kernel (a few
         # values stored just before its registers shrink to 24, reloaded after they grow); none in the K loop
         assert r["regs"] <= 255 and r["smem"] <= 227 * 1024, r
-        # (three consumer warpgroups at 128 registers per thread: the loader parks a value per tile too)
-        handoff = r["stores_at_handoff_only"] or t.num_warps == 12
+        # (three consumer warpgroups at 128 registers per thread, or 64-row tiles with two chunks a slot, the
+        # H100's fastest at 8192 rows: the loader, at 24 registers, parks values per tile too; at most 24)
+        parks = t.num_warps == 12 or (t.block_t == 64 and t.chunks == 2)
+        handoff = r["stores_at_handoff_only"] or (parks and r["spills"] <= 24)
         assert r["loop_spills"] == 0 and (handoff if lw else r["spills"] == 0), r
         # loader warps ride in their own warpgroup, with registers handed to the consumers (setmaxnreg)
         assert r["threads"] == 32 * (t.num_warps + (4 if lw else 0)), r
