@@ -167,8 +167,8 @@ def markdown(result: dict) -> str:
         "(kernels/gemm_mma.py): Triton at <= 1024 grouped rows, the Gluon wgmma kernel above (A/B, same run).",
         "'ours, other routing': the same block with the routing 'ours' does not use (routing: 'fused' = by",
         "extra programs of fc1's quantization launch, QUADS_FUSED_ROUTING=1; 'own' = the routing kernel's launch).",
-        f"Expert weights {result.get('layout', 'row_major')} (kernels/weight_layout.py); 'ours, other layout': same",
-        "the block on the other layout (A/B).",
+        f"Expert weights {result.get('layout', 'row_major')} (kernels/weight_layout.py); 'ours, other layout': the",
+        "same block on the other layout (A/B).",
         "",
     ]
     shipped = result.get("sglang_tuned_configs") or {}
