@@ -1,5 +1,6 @@
 """Device probe: the routing launch (kernels/route.py) by ids read per step (route.ROUTE_BLOCK), same run,
-same ids; every setting's outputs must equal the first one's.
+same ids; every setting's outputs must equal the first one's. Steps longer than 2048 ids run on 16 warps (the
+step's prefix sum spread over more threads), the others on the launch's own warps (route.route_warps).
 
 python dev/probe_route_block.py [--tokens 256,512,1024] [--blocks 2048,4096,8192]
 (CUDA GPU; random top-8 routing over 128 experts, with the 32-row tile table the block asks for; CUDA-graph
@@ -24,7 +25,12 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=8)
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    shipped = route.ROUTE_BLOCK
+    shipped, shipped_warps = route.ROUTE_BLOCK, route.route_warps
+
+    def warps(block: int) -> int:
+        return 16 if block > 2048 else shipped_warps(block)
+
+    route.route_warps = warps
     for tokens in (int(t) for t in args.tokens.split(",")):
         ids = torch.randn(tokens, args.experts, generator=g, device="cuda").topk(args.topk, dim=-1).indices
         line, first = [], None
@@ -43,7 +49,7 @@ def main() -> None:
                 f"{'' if same else ' OUTPUTS DIFFER'}"
             )
         print(f"tokens {tokens} ({tokens * args.topk} ids): " + "; ".join(line), flush=True)
-    route.ROUTE_BLOCK = shipped
+    route.ROUTE_BLOCK, route.route_warps = shipped, shipped_warps
 
 
 if __name__ == "__main__":

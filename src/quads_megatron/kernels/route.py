@@ -206,6 +206,11 @@ def route_launch(topk_ids: torch.Tensor, num_experts: int, tile_rows: int | None
     return RouteLaunch(topk_ids.contiguous().reshape(-1), routing, tiles, (n, num_experts, p), consts)
 
 
+def route_warps(block: int) -> int:
+    """Warps of the routing launch for BLOCK ids a step (dev/probe_route_block.py times other steps)."""
+    return 4 if block <= 1024 else 8
+
+
 def route(topk_ids: torch.Tensor, num_experts: int, tile_rows: int | None = None) -> Routing:
     """topk_ids [T, k] (integers; ids outside [0, num_experts) are foreign) -> Routing, in one launch.
     T*k must be <= ROUTE_MAX_ROWS. tile_rows: the same launch also writes the RowTiles of the grouped rows
@@ -217,7 +222,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, tile_rows: int | None = None
             *launch.pointers,
             *launch.args,
             **launch.consts,
-            num_warps=4 if launch.consts["BLOCK"] <= 1024 else 8,
+            num_warps=route_warps(launch.consts["BLOCK"]),
             **pdl.launch_options(topk_ids.device),
         )
     else:
