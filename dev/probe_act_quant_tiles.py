@@ -6,6 +6,8 @@ python dev/probe_act_quant_tiles.py [--rows 128,2048,16384,131072] [--order auto
 --inputs: fc1's quantization ([rows, 2048]), fc2's (input [rows, 2I] = [gate | up], I = 768, SiLU(gate) *
 up quantized), or both in one sweep. --order auto: the order moe_w4a4 uses at that size ("wgmma" above
 1024 rows, where the Gluon GEMM runs; "pairs" below). (CUDA GPU; CUDA-graph replay timings)
+Each line also times the tuned tile with the row held in two pieces where K allows (act_quant.row_split,
+QUADS_ACT_SPLIT_ROW=1: fc2's K = 768 = 512 + 256), same bits.
 --write-config: the winning (block_m, num_warps) of each rule the probed points fall in into
 configs/act_quant.json under this GPU's name (dev/tile_writer.py). Rules that do not state `gated` hold
 for both inputs: sweep --inputs both, so that one writer sees all of their points.
@@ -74,9 +76,14 @@ def main() -> None:
                     runs.append((rule, (gated, rows, mode), {"block_m": bm, "num_warps": nw}, us))
                 best = sorted(res)[:3]
                 top = [(f"bm{b} w{w}", round(u, 1)) for u, b, w in best]
+                os.environ["QUADS_ACT_SPLIT_ROW"] = "1"  # the tuned tile with the row in two pieces (A/B)
+                split = act_quant.row_split(k, tile_configs.act_quant_config(rows, k, False, False, gated).block_k,
+                                            mode == "dyn50", order)  # fmt: skip
+                two = f"; two pieces {run(mode):.1f} us" if split else ""
+                os.environ["QUADS_ACT_SPLIT_ROW"] = "0"
                 print(
                     f"{'fc2' if gated else 'fc1'} rows {rows} {mode} ({order}): floor {floor:.1f} us; "
-                    f"tuned {run(mode):.1f} us; best {top}",
+                    f"tuned {run(mode):.1f} us{two}; best {top}",
                     flush=True,
                 )
     if args.write_config:

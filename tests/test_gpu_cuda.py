@@ -5,7 +5,8 @@ test_megatron_patch / test_moe_w4a4 cover the same contracts through the CPU pat
   x @ qdq(W)^T, STE gradients, one QDQ per weight version, with the Triton QDQ twin;
 * the rollout MoE block (the SGLang method's forward) at Qwen3-30B-A3B expert sizes: Triton path
   vs reference, strided S_dec views, and CUDA-graph capture (no host sync on the serving path);
-* the block's fused pieces on the GPU: token-indexed fc1 rows, gated fc2 quantization, combine;
+* the block's fused pieces on the GPU: token-indexed fc1 rows, gated fc2 quantization (also with the row
+  in two pieces, QUADS_ACT_SPLIT_ROW=1), combine;
 * the Gluon Hopper GEMM (kernels/gemm_wgmma.py: the one-partition kernel and the warp-specialized one)
   against the Triton GEMM on every tile it may pick, and the whole block on it (moe_w4a4's default on
   an H200);
@@ -213,6 +214,26 @@ def test_fused_block_pieces_on_gpu():
     y2 = torch.randn(ids.numel(), H, device="cuda").bfloat16()
     got = combine_kernel.combine(y2, order, ids, tw, E, torch.float32)
     assert torch.allclose(got, combine(y2, order, valid, tw), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["pairs", "wgmma"])
+def test_a_row_in_two_pieces_on_gpu(monkeypatch, order):
+    """QUADS_ACT_SPLIT_ROW=1 (fc2's K = 768 held as 512 + 256 in registers, no padded lanes) gives the padded
+    tile's bits on the GPU: the gated operand at the block's row counts, plain and with a static RAC plan."""
+    from quads_megatron.kernels import act_quant
+    from quads_megatron.rollout import rac_plan
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    plan = rac_plan.RACPlan(torch.arange(0, INTER // 16, 2), INTER)
+    for rows in (128, 2048, 8192):
+        y1 = (torch.randn(rows, 2 * INTER, generator=g, device="cuda") * 3).bfloat16()
+        valid = torch.rand(rows, generator=g, device="cuda") > 0.1
+        for kw in ({}, {"plan": plan}):
+            monkeypatch.setenv("QUADS_ACT_SPLIT_ROW", "0")
+            one = act_quant.activation_operand(y1, gated=True, row_valid=valid, order=order, **kw)
+            monkeypatch.setenv("QUADS_ACT_SPLIT_ROW", "1")
+            two = act_quant.activation_operand(y1, gated=True, row_valid=valid, order=order, **kw)
+            assert torch.equal(one.values, two.values) and torch.equal(one.global_decode, two.global_decode), rows
 
 
 @pytest.mark.parametrize(

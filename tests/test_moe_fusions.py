@@ -87,6 +87,50 @@ def test_gated_operand_equals_quantizing_the_gated_activation(dtype, rac):
         act_quant.activation_operand(y_nan, gated=True, row_valid=valid, **kw[rac])
 
 
+@pytest.mark.parametrize("k,order", [(48, "pairs"), (384, "wgmma"), (768, "wgmma")])
+@pytest.mark.parametrize("rac", ["none", "plan", "4over6"])
+def test_a_row_in_two_pieces_gives_the_bits_of_one_padded_tile(monkeypatch, k, order, rac):
+    """QUADS_ACT_SPLIT_ROW=1: a whole row of K = P + a smaller power of two (768 = 512 + 256, fc2's input here)
+    held as two unpadded pieces gives the bits of the one tile padded to 2P: the operand (gated and not, both
+    orders) and the codes path, with a static RAC plan and under 4over6; dynamic RAC keeps the one tile."""
+    g = torch.Generator().manual_seed(k)
+    m = 9
+    y1 = (torch.randn(m, 2 * k, generator=g) * 3).bfloat16()
+    x = (torch.randn(m, k, generator=g) * torch.exp(torch.randn(k, generator=g))).bfloat16()
+    plan = rac_plan.RACPlan(torch.tensor([0, 2]), k) if rac == "plan" else None
+    kw = (
+        {"plan": plan}
+        if plan is not None
+        else {"recipe": nvfp4.NVFP4Recipe(True, 256, "MSE")}
+        if rac == "4over6"
+        else {}
+    )
+    assert act_quant.row_split(k, 2 * k, False, order) == 0  # off unless asked for
+    assert act_quant.row_split(k, 2 * k, True, order) == 0  # dynamic RAC ranks the row as one tile
+
+    def run():
+        return (
+            act_quant.activation_operand(y1, gated=True, order=order, **kw),
+            act_quant.activation_operand(x, order=order, **kw),
+            act_quant.activation_operand(x, dynamic_channels=k // 3, order=order),
+            act_quant.quantize_activation(x, plan, recipe=kw.get("recipe")),
+        )
+
+    one = run()
+    monkeypatch.setenv("QUADS_ACT_SPLIT_ROW", "1")
+    p = 1 << (k.bit_length() - 1)
+    assert act_quant.row_split(k, 2 * p, False, order) == p and act_quant.row_split(k, p, False, order) == 0
+    two = run()
+    for a, b in zip(one[:3], two[:3], strict=True):
+        assert torch.equal(a.values, b.values) and torch.equal(a.global_decode, b.global_decode)
+    qa, qb = one[3], two[3]
+    for a, b in [(qa.x, qb.x)] + ([(qa.residual, qb.residual)] if plan is not None else []):
+        assert torch.equal(a.codes, b.codes) and torch.equal(
+            a.block_scales.view(torch.uint8), b.block_scales.view(torch.uint8)
+        )
+        assert torch.equal(a.global_decode, b.global_decode)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_combine_kernel_equals_the_torch_combine(dtype):
     g, _, ids, _ = _setup(4)

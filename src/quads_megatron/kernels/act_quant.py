@@ -12,6 +12,7 @@ is a constexpr branch, so the plain kernels' code is what it was), for x and for
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -250,6 +251,7 @@ def _act_quant_kernel(
     E4M3_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     HAS_TM: tl.constexpr,
     TM_BM: tl.constexpr,
     TM_BLOCK_E: tl.constexpr,
@@ -264,7 +266,8 @@ def _act_quant_kernel(
     """HAS_TM: programs 0 .. n_tm - 1 write a GEMM's row-tile table (tile_map of offs: E experts, P tiles
     of TM_BM rows) next to the quantization, in the same launch. HAS_ROUTE: instead, programs 0 .. E route
     the R_N (token, slot) pairs of rids (route.route_program) and write that table from the routing; the
-    others quantize BLOCK_M rows each."""
+    others quantize BLOCK_M rows each. SPLIT_K > 0: K = SPLIT_K + a smaller power of two, the row held as those
+    two pieces instead of one BLOCK_K tile padded past K (padded lanes cost the SiLU, scale and encode work too)."""
     wait_then_release(PDL)
     pid = tl.program_id(0)
     if HAS_ROUTE:
@@ -286,7 +289,28 @@ def _act_quant_kernel(
     lmask = rmask  # rows whose input is read (HAS_VALID: the others quantize zeros)
     if HAS_VALID:
         lmask = rmask & (tl.load(valid_ptr + rows64, mask=rmask, other=0) != 0)
-    if BLOCK_K >= K:  # the whole row in registers: one read of x
+    if SPLIT_K > 0:  # the whole row in registers as two unpadded pieces: one read of x
+        REST: tl.constexpr = K - SPLIT_K
+        a0, a1 = _load_row_pairs(x_ptr, rows64, lmask, stride_xm, 0, K, SPLIT_K, GATED, X_BF16)
+        b0, b1 = _load_row_pairs(x_ptr, rows64, lmask, stride_xm, SPLIT_K, K, REST, GATED, X_BF16)
+        if STATIC:
+            amax = tl.load(amax_ptr + rows * 0, mask=rmask, other=0.0)
+        else:
+            amax_a = tl.max(tl.maximum(tl.abs(a0), tl.abs(a1)), axis=1)
+            amax = tl.maximum(amax_a, tl.max(tl.maximum(tl.abs(b0), tl.abs(b1)), axis=1))
+        s_enc, s_dec = _global_scales(amax, BLOCK_M, E4M3_MAX)
+        tl.store(sdec_ptr + rows, s_dec, mask=rmask)
+        _encode_store_chunk(
+            a0, a1, 0, rows64, rmask, s_enc, s_dec, amax, mask_ptr, codes_ptr, scales_ptr, rcodes_ptr, rscales_ptr,
+            op_ptr, n_sel, K, HAS_RES, DYNAMIC, OPERAND, WGMMA_ORDER, FOUR_OVER_SIX, FOS_MSE, E4M3_MAX, BLOCK_M,
+            SPLIT_K,
+        )  # fmt: skip
+        _encode_store_chunk(
+            b0, b1, SPLIT_K, rows64, rmask, s_enc, s_dec, amax, mask_ptr, codes_ptr, scales_ptr, rcodes_ptr,
+            rscales_ptr, op_ptr, n_sel, K, HAS_RES, DYNAMIC, OPERAND, WGMMA_ORDER, FOUR_OVER_SIX, FOS_MSE, E4M3_MAX,
+            BLOCK_M, REST,
+        )  # fmt: skip
+    elif BLOCK_K >= K:  # the whole row in registers: one read of x
         x0, x1 = _load_row_pairs(x_ptr, rows64, lmask, stride_xm, 0, K, BLOCK_K, GATED, X_BF16)
         if STATIC:
             amax = tl.load(amax_ptr + rows * 0, mask=rmask, other=0.0)
@@ -395,6 +419,20 @@ class ActivationOperand:
 _TM_BLOCK_P = 32  # row tiles per tile-map program inside the activation launch ([32, E] compares per program)
 
 
+def row_split(k: int, block_k: int, dynamic: bool, order: str) -> int:
+    """SPLIT_K of a launch: where the whole row is held (block_k >= K) and K is a power of two P plus a smaller one
+    (768 = 512 + 256: fc2's input of a Qwen3-30B-A3B expert), P; else 0 (one tile of block_k, padded past K).
+    Not with dynamic RAC (its block ranking reads the row as one tile), and in the "wgmma" order only where
+    both pieces are whole 128-chunks. Opt-in (QUADS_ACT_SPLIT_ROW=1) until timed on a GPU; the same bits either way."""
+    if block_k < k or dynamic or os.environ.get("QUADS_ACT_SPLIT_ROW", "0") != "1":
+        return 0
+    p = 1 << (k.bit_length() - 1)
+    rest = k - p
+    if rest < 16 or rest & (rest - 1) or (order == "wgmma" and rest % WGMMA_CHUNK):
+        return 0
+    return p
+
+
 def _launch_act_quant(
     x: torch.Tensor,
     plan: RACPlan | None,
@@ -445,6 +483,7 @@ def _launch_act_quant(
     block_m, block_k, num_warps = tile.block_m, tile.block_k, tile.num_warps
     if n_sel and block_k < k:
         raise ValueError(f"dynamic RAC selects per row: block_k={block_k} must cover K={k}")
+    split_k = row_split(k, block_k, n_sel > 0, order)
     dev = x.device
     has_res = n_sel > 0 or (plan is not None and plan.blocks.numel() > 0)
     sdec = torch.empty((m,), dtype=torch.float32, device=dev)
@@ -517,6 +556,7 @@ def _launch_act_quant(
         E4M3_MAX=float(recipe.e4m3_max),
         BLOCK_M=block_m,
         BLOCK_K=block_k,
+        SPLIT_K=split_k,
         HAS_TM=n_tm > 0,
         TM_BM=1 if tiles is None else tiles.block_rows,
         TM_BLOCK_E=tm_block_e,
