@@ -289,35 +289,25 @@ def _act_quant_kernel(
     lmask = rmask  # rows whose input is read (HAS_VALID: the others quantize zeros)
     if HAS_VALID:
         lmask = rmask & (tl.load(valid_ptr + rows64, mask=rmask, other=0) != 0)
-    if SPLIT_K > 0:  # the whole row in registers as two unpadded pieces: one read of x
-        REST: tl.constexpr = K - SPLIT_K
-        a0, a1 = _load_row_pairs(x_ptr, rows64, lmask, stride_xm, 0, K, SPLIT_K, GATED, X_BF16)
-        b0, b1 = _load_row_pairs(x_ptr, rows64, lmask, stride_xm, SPLIT_K, K, REST, GATED, X_BF16)
-        if STATIC:
-            amax = tl.load(amax_ptr + rows * 0, mask=rmask, other=0.0)
-        else:
-            amax_a = tl.max(tl.maximum(tl.abs(a0), tl.abs(a1)), axis=1)
-            amax = tl.maximum(amax_a, tl.max(tl.maximum(tl.abs(b0), tl.abs(b1)), axis=1))
-        s_enc, s_dec = _global_scales(amax, BLOCK_M, E4M3_MAX)
-        tl.store(sdec_ptr + rows, s_dec, mask=rmask)
-        _encode_store_chunk(
-            a0, a1, 0, rows64, rmask, s_enc, s_dec, amax, mask_ptr, codes_ptr, scales_ptr, rcodes_ptr, rscales_ptr,
-            op_ptr, n_sel, K, HAS_RES, DYNAMIC, OPERAND, WGMMA_ORDER, FOUR_OVER_SIX, FOS_MSE, E4M3_MAX, BLOCK_M,
-            SPLIT_K,
-        )  # fmt: skip
-        _encode_store_chunk(
-            b0, b1, SPLIT_K, rows64, rmask, s_enc, s_dec, amax, mask_ptr, codes_ptr, scales_ptr, rcodes_ptr,
-            rscales_ptr, op_ptr, n_sel, K, HAS_RES, DYNAMIC, OPERAND, WGMMA_ORDER, FOUR_OVER_SIX, FOS_MSE, E4M3_MAX,
-            BLOCK_M, REST,
-        )  # fmt: skip
-    elif BLOCK_K >= K:  # the whole row in registers: one read of x
-        x0, x1 = _load_row_pairs(x_ptr, rows64, lmask, stride_xm, 0, K, BLOCK_K, GATED, X_BF16)
+    if BLOCK_K >= K:  # the whole row in registers: one read of x (SPLIT_K > 0: as two unpadded pieces)
+        FIRST: tl.constexpr = SPLIT_K if SPLIT_K > 0 else BLOCK_K
+        x0, x1 = _load_row_pairs(x_ptr, rows64, lmask, stride_xm, 0, K, FIRST, GATED, X_BF16)
+        if SPLIT_K > 0:
+            y0, y1 = _load_row_pairs(x_ptr, rows64, lmask, stride_xm, SPLIT_K, K, K - SPLIT_K, GATED, X_BF16)
         if STATIC:
             amax = tl.load(amax_ptr + rows * 0, mask=rmask, other=0.0)
         else:
             amax = tl.max(tl.maximum(tl.abs(x0), tl.abs(x1)), axis=1)
+            if SPLIT_K > 0:
+                amax = tl.maximum(amax, tl.max(tl.maximum(tl.abs(y0), tl.abs(y1)), axis=1))
         s_enc, s_dec = _global_scales(amax, BLOCK_M, E4M3_MAX)
         tl.store(sdec_ptr + rows, s_dec, mask=rmask)
+        if SPLIT_K > 0:
+            _encode_store_chunk(
+                y0, y1, SPLIT_K, rows64, rmask, s_enc, s_dec, amax, mask_ptr, codes_ptr, scales_ptr, rcodes_ptr,
+                rscales_ptr, op_ptr, n_sel, K, HAS_RES, DYNAMIC, OPERAND, WGMMA_ORDER, FOUR_OVER_SIX, FOS_MSE,
+                E4M3_MAX, BLOCK_M, K - SPLIT_K,
+            )  # fmt: skip
         _encode_store_chunk(
             x0,
             x1,
@@ -343,7 +333,7 @@ def _act_quant_kernel(
             FOS_MSE,
             E4M3_MAX,
             BLOCK_M,
-            BLOCK_K,
+            FIRST,
         )
     else:  # two passes over K chunks: amax, then encode
         if STATIC:
