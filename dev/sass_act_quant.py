@@ -34,7 +34,8 @@ def compile_gated(k: int, warps: int, split_k: int) -> dict:
         HAS_ROUTE=False, R_TOPK=1, R_BLOCK=16, R_NB=2, R_HISTOGRAM=True, PDL=True,
     )  # fmt: skip
     sig = {p: "constexpr" if p in consts else POINTERS.get(p, "*i32") if p.endswith("_ptr") else "i32" for p in params}
-    attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in params if p.endswith("_ptr")}
+    # pointers and the row stride divisible by 16, as Triton's JIT specializes them at fc2's shapes (2I = 1536)
+    attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in params if p.endswith("_ptr") or p == "stride_xm"}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, enable_fp_fusion=False)
