@@ -3,7 +3,8 @@ moe intermediate 768, top-8), random routing, the same inputs for every arm, CUD
 
 * ours: quads_megatron moe_w4a4(impl="auto"), W4A4 NVFP4 (what the quads_nvfp4 SGLang method runs), on
   --layout's expert weights (default tiled, kernels/weight_layout.py: what the method serves at these
-  shapes; ours_other_layout: the same block on the other one); ours_rac50: + dynamic RAC 50%;
+  shapes; ours_other_layout: the same block on the other one; ours_split_row: with the activation
+  quantization's row in two pieces, QUADS_ACT_SPLIT_ROW=1); ours_rac50: + dynamic RAC 50%;
   ours_rac50_static: + static RAC 50% plans (timing depends on the count);
 * sglang_fp8 / sglang_fp8_tensor / sglang_bf16: SGLang's own fused MoE as its engine runs it on Hopper
   (fused_experts: moe_align_block_size, its Triton GEMMs, fused SiLU*up, top-k sum) for FP8 w8a8
@@ -55,6 +56,7 @@ ARMS = (
     "ours_no_mma",
     "ours_other_routing",
     "ours_other_layout",
+    "ours_split_row",
     "sglang_fp8",
     "sglang_fp8_tuned",
     "sglang_fp8_tensor",
@@ -168,7 +170,8 @@ def markdown(result: dict) -> str:
         "'ours, other routing': the same block with the routing 'ours' does not use (routing: 'fused' = by",
         "extra programs of fc1's quantization launch, QUADS_FUSED_ROUTING=1; 'own' = the routing kernel's launch).",
         f"Expert weights {result.get('layout', 'row_major')} (kernels/weight_layout.py); 'ours, other layout': the",
-        "same block on the other layout (A/B).",
+        "same block on the other layout (A/B). 'ours, row in two pieces': the same block with the activation",
+        "quantization holding fc2's row of 768 as 512 + 256 (act_quant.row_split, QUADS_ACT_SPLIT_ROW=1; A/B).",
         "",
     ]
     shipped = result.get("sglang_tuned_configs") or {}
@@ -199,7 +202,7 @@ def markdown(result: dict) -> str:
     ]
     head += ["RAC50 vs FP8", "RAC50 vs FP8 tuned", "NVFP4 floor", "ours % floor", "FP8 floor", "FP8 % floor"]
     head += ["FP8 tuned % floor", "ours max err", "ours, torch routing", "ours GEMM", "ours, no mma GEMM"]
-    head += ["routing", "ours, other routing", "ours, other layout"]
+    head += ["routing", "ours, other routing", "ours, other layout", "ours, row in two pieces"]
     rows = []
     for r in result["rows"]:
         rows.append(
@@ -216,7 +219,7 @@ def markdown(result: dict) -> str:
                 f(r.get("ours_max_abs_err"), ".2e"),
                 f(r.get("ours_torch_route_us")), r.get("ours_impl", "-"), f(r.get("ours_no_mma_us")),
                 {True: "fused", False: "own"}.get(r.get("fused_routing"), "-"), f(r.get("ours_other_routing_us")),
-                f(r.get("ours_other_layout_us")),
+                f(r.get("ours_other_layout_us")), f(r.get("ours_split_row_us")),
             ]
         )  # fmt: skip
     lines += bench_env.table(head, rows)
@@ -235,6 +238,9 @@ def markdown(result: dict) -> str:
         state = "PASS" if r.get("check_ok") else "FAIL"
         same = {True: "; other layout: the same bits", False: "; other layout: OTHER BITS"}.get(
             r.get("other_layout_same_bits"), ""
+        )
+        same += {True: "; row in two pieces: the same bits", False: "; row in two pieces: OTHER BITS"}.get(
+            r.get("split_row_same_bits"), ""
         )
         lines.append(
             f"- {r['tokens']} tokens: {state} (rel err {f(r.get('ours_rel_err'), '.2e')}{same}); vs bf16: {errs}"
@@ -515,6 +521,16 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
 
     row["fused_routing"] = moe.fused_routing(ids.numel())
     fns["ours_other_routing"] = ours_other_routing
+
+    def ours_split_row():  # A/B of the activation quantization's row in two pieces (act_quant.row_split)
+        kept = os.environ.get("QUADS_ACT_SPLIT_ROW")
+        os.environ["QUADS_ACT_SPLIT_ROW"] = "1"
+        try:
+            return moe.moe_w4a4(t["x"], ids, t["w"], weights, impl="auto", check=False)
+        finally:
+            os.environ.pop("QUADS_ACT_SPLIT_ROW") if kept is None else os.environ.update(QUADS_ACT_SPLIT_ROW=kept)
+
+    fns["ours_split_row"] = ours_split_row
     if "ours_other_layout" in args.arms:  # A/B of the weights' layout (kernels/weight_layout.py), made once a run
         if "nvfp4_other" not in inp:
             inp["nvfp4_other"] = weights.as_row_major() if weights.tiled else weights.as_tiled()
@@ -559,6 +575,9 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
         if "ours_other_layout" in fns:  # (made only when asked for) a layout moves bytes, not bits
             row["other_layout_same_bits"] = torch.equal(got, fns["ours_other_layout"]())
             row["check_ok"] &= row["other_layout_same_bits"]
+        if "ours_split_row" in args.arms:  # the two-piece row is the same arithmetic
+            row["split_row_same_bits"] = torch.equal(got, fns["ours_split_row"]())
+            row["check_ok"] &= row["split_row_same_bits"]
     except Exception as e:
         row["errors"]["check"] = f"{type(e).__name__}: {e}"[:300]
         row["check_ok"] = False
