@@ -511,26 +511,22 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
     fns = {"ours": ours(), "ours_rac50": ours(rac_dyn), "ours_rac50_static": ours(rac_static)}
     fns["ours_torch_route"] = ours_torch_route
 
-    def ours_other_routing():  # A/B of the fused routing (moe_block.fused_routing): the block with the other one
-        kept = os.environ.get("QUADS_FUSED_ROUTING")
-        os.environ["QUADS_FUSED_ROUTING"] = "0" if row["fused_routing"] else "1"
-        try:
-            return moe.moe_w4a4(t["x"], ids, t["w"], weights, impl="auto", check=False)
-        finally:
-            os.environ.pop("QUADS_FUSED_ROUTING") if kept is None else os.environ.update(QUADS_FUSED_ROUTING=kept)
+    def ours_with_env(name: str, value: str):  # the block with one of its switches set for the call (an A/B arm)
+        def run():
+            kept = os.environ.get(name)
+            os.environ[name] = value
+            try:
+                return moe.moe_w4a4(t["x"], ids, t["w"], weights, impl="auto", check=False)
+            finally:
+                os.environ.pop(name) if kept is None else os.environ.update({name: kept})
+
+        return run
 
     row["fused_routing"] = moe.fused_routing(ids.numel())
-    fns["ours_other_routing"] = ours_other_routing
-
-    def ours_split_row():  # A/B of the activation quantization's row in two pieces (act_quant.row_split)
-        kept = os.environ.get("QUADS_ACT_SPLIT_ROW")
-        os.environ["QUADS_ACT_SPLIT_ROW"] = "1"
-        try:
-            return moe.moe_w4a4(t["x"], ids, t["w"], weights, impl="auto", check=False)
-        finally:
-            os.environ.pop("QUADS_ACT_SPLIT_ROW") if kept is None else os.environ.update(QUADS_ACT_SPLIT_ROW=kept)
-
-    fns["ours_split_row"] = ours_split_row
+    # the routing 'ours' does not use (moe_block.fused_routing), and the activation quantization's row in two
+    # pieces (act_quant.row_split)
+    fns["ours_other_routing"] = ours_with_env("QUADS_FUSED_ROUTING", "0" if row["fused_routing"] else "1")
+    fns["ours_split_row"] = ours_with_env("QUADS_ACT_SPLIT_ROW", "1")
     if "ours_other_layout" in args.arms:  # A/B of the weights' layout (kernels/weight_layout.py), made once a run
         if "nvfp4_other" not in inp:
             inp["nvfp4_other"] = weights.as_row_major() if weights.tiled else weights.as_tiled()
