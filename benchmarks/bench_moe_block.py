@@ -4,7 +4,8 @@ moe intermediate 768, top-8), random routing, the same inputs for every arm, CUD
 * ours: quads_megatron moe_w4a4(impl="auto"), W4A4 NVFP4 (what the quads_nvfp4 SGLang method runs), on
   --layout's expert weights (default tiled, kernels/weight_layout.py: what the method serves at these
   shapes; ours_other_layout: the same block on the other one; ours_split_row: with the activation
-  quantization's row in two pieces, QUADS_ACT_SPLIT_ROW=1); ours_rac50: + dynamic RAC 50%;
+  quantization's row in two pieces, QUADS_ACT_SPLIT_ROW=1; ours_torch_route / ours_other_routing: on the
+  torch routing / on the routing kernel it does not take, OTHER_ROUTING); ours_rac50: + dynamic RAC 50%;
   ours_rac50_static: + static RAC 50% plans (timing depends on the count);
 * sglang_fp8 / sglang_fp8_tensor / sglang_bf16: SGLang's own fused MoE as its engine runs it on Hopper
   (fused_experts: moe_align_block_size, its Triton GEMMs, fused SiLU*up, top-k sum) for FP8 w8a8
@@ -41,6 +42,7 @@ import torch
 
 from quads_megatron import nvfp4
 from quads_megatron.config import RACConfig
+from quads_megatron.kernels.route import ROUTE_MAX_ROWS
 from quads_megatron.rollout import moe_block as moe
 from quads_megatron.rollout import reference
 from quads_megatron.rollout.rac_plan import RACPlan
@@ -65,6 +67,8 @@ ARMS = (
     "torch_bf16",
 )
 FP8_BLOCK = 128
+#: the routing A/B arm 'ours_other_routing' runs, by the routing 'ours' takes (moe_block.routing_path)
+OTHER_ROUTING = {"fused": "kernel", "kernel": "chunked", "chunked": "kernel"}
 #: HBM bandwidth (TB/s) of the floor by a substring of the GPU's name (the SXM parts); others: --hbm-tbps
 HBM_TBPS = {"H200": 4.8, "H100": 3.35}
 #: the SGLang arms that run with the config SGLang ships; each tuned arm: the arm whose call it tunes
@@ -147,6 +151,12 @@ def ratios(row: dict) -> dict:
     return out
 
 
+def routing_cell(row: dict) -> str:
+    """The routing column: the path 'ours' takes (moe_block.routing_path) and the one its A/B arm takes."""
+    path = row.get("routing", "-")
+    return f"{path} (other: {row['other_routing']})" if row.get("other_routing") else path
+
+
 def markdown(result: dict) -> str:
     f = bench_env.fmt
     s = result["shape"]
@@ -164,11 +174,12 @@ def markdown(result: dict) -> str:
         f"Floor = bytes of the experts hit + bf16 activations in/out at {result['hbm_tbps']} TB/s.",
         "Ratios > 1: ours faster. Static RAC plans: fc1 from the inputs' residuals, fc2 arbitrary (time",
         "depends on the channel count only). 'ours, torch routing': the same block with the routing as a",
-        "dozen torch ops instead of the one-launch kernel (kernels/route.py), measured in the same run.",
+        "dozen torch ops (QUADS_ROUTING=torch) instead of the routing kernels, measured in the same run.",
         "'ours, no mma GEMM': the same block with the GEMMs impl='auto' ran before the decode-size GEMM",
         "(kernels/gemm_mma.py): Triton at <= 1024 grouped rows, the Gluon wgmma kernel above (A/B, same run).",
-        "'ours, other routing': the same block with the routing 'ours' does not use (routing: 'fused' = by",
-        "extra programs of fc1's quantization launch, QUADS_FUSED_ROUTING=1; 'own' = the routing kernel's launch).",
+        "'ours, other routing': the same block on the routing kernel named 'other' (routing: the path 'ours'",
+        "takes, moe_block.routing_path: 'fused' = extra programs of fc1's quantization launch, 'kernel' = the",
+        "one-launch routing kernel, kernels/route.py, 'chunked' = kernels/route_chunked.py's two launches).",
         f"Expert weights {result.get('layout', 'row_major')} (kernels/weight_layout.py); 'ours, other layout': the",
         "same block on the other layout (A/B). 'ours, row in two pieces': the same block with the activation",
         "quantization holding fc2's row of 768 as 512 + 256 (act_quant.row_split, QUADS_ACT_SPLIT_ROW=1; A/B).",
@@ -218,7 +229,7 @@ def markdown(result: dict) -> str:
                 f(r.get("sglang_fp8_pct_floor"), ".0f"), f(r.get("sglang_fp8_tuned_pct_floor"), ".0f"),
                 f(r.get("ours_max_abs_err"), ".2e"),
                 f(r.get("ours_torch_route_us")), r.get("ours_impl", "-"), f(r.get("ours_no_mma_us")),
-                {True: "fused", False: "own"}.get(r.get("fused_routing"), "-"), f(r.get("ours_other_routing_us")),
+                routing_cell(r), f(r.get("ours_other_routing_us")),
                 f(r.get("ours_other_layout_us")), f(r.get("ours_split_row_us")),
             ]
         )  # fmt: skip
@@ -499,17 +510,7 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
         r = r or moe.LayerRAC()
         return lambda: moe.moe_w4a4(t["x"], ids, t["w"], weights, r, impl="auto", check=False)
 
-    def ours_torch_route():  # A/B of the one-launch routing kernel: the same block on the torch routing
-        from quads_megatron.kernels import route as route_kernel
-
-        kept, route_kernel.ROUTE_MAX_ROWS = route_kernel.ROUTE_MAX_ROWS, 0
-        try:
-            return moe.moe_w4a4(t["x"], ids, t["w"], weights, impl="auto", check=False)
-        finally:
-            route_kernel.ROUTE_MAX_ROWS = kept
-
     fns = {"ours": ours(), "ours_rac50": ours(rac_dyn), "ours_rac50_static": ours(rac_static)}
-    fns["ours_torch_route"] = ours_torch_route
 
     def ours_with_env(name: str, value: str):  # the block with one of its switches set for the call (an A/B arm)
         def run():
@@ -522,10 +523,13 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
 
         return run
 
-    row["fused_routing"] = moe.fused_routing(ids.numel())
-    # the routing 'ours' does not use (moe_block.fused_routing), and the activation quantization's row in two
-    # pieces (act_quant.row_split)
-    fns["ours_other_routing"] = ours_with_env("QUADS_FUSED_ROUTING", "0" if row["fused_routing"] else "1")
+    # the block on the torch routing, on the kernel routing it does not use (moe_block.routing_path), and with
+    # the activation quantization's row in two pieces (act_quant.row_split)
+    row["routing"] = moe.routing_path(ids.numel())
+    fns["ours_torch_route"] = ours_with_env("QUADS_ROUTING", "torch")
+    row["other_routing"] = OTHER_ROUTING[row["routing"]] if ids.numel() <= ROUTE_MAX_ROWS else None
+    if row["other_routing"]:
+        fns["ours_other_routing"] = ours_with_env("QUADS_ROUTING", row["other_routing"])
     fns["ours_split_row"] = ours_with_env("QUADS_ACT_SPLIT_ROW", "1")
     if "ours_other_layout" in args.arms:  # A/B of the weights' layout (kernels/weight_layout.py), made once a run
         if "nvfp4_other" not in inp:

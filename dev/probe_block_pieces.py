@@ -1,4 +1,4 @@
-"""Device probe: where the MoE block's time goes at decode sizes, launch by launch.
+"""Device probe: where the MoE block's time goes, launch by launch.
 
 python dev/probe_block_pieces.py [--tokens 16,64,256] [--rac none,dyn50] [--out DIR]
 (CUDA GPU; CUDA-graph replay medians; Qwen3-30B-A3B experts, bench_moe_block's inputs)
@@ -6,12 +6,14 @@ python dev/probe_block_pieces.py --dry-run      (CPU, TRITON_INTERPRET=1: tiny s
                                                  checked against the whole block, no timing)
 
 moe_w4a4(impl='auto') is a chain of launches: routing, fc1's activation quantization (with the row-tile
-programs), fc1, fc2's gated quantization, fc2 and the top-k combine; with QUADS_FUSED_ROUTING=1 the
-routing runs as extra programs of fc1's quantization launch (route_fc1_quant). Each is captured and timed alone on
-the inputs the chain gives it, next to the whole block: the pieces' sum minus the block is what the chain
-overlaps (PDL) or adds (launch gaps). The pieces mirror rollout.moe_block._experts_triton; the check that
-their output equals the block's, bit for bit, keeps them in step with it. The first launch(es) the
-block does not run are timed too, outside the sum (the fused routing's A/B).
+programs), fc1, fc2's gated quantization, fc2 and the top-k combine; by moe_block.routing_path the routing
+runs as extra programs of fc1's quantization launch (route_fc1_quant), in its own launch (route), in the
+chunked routing's two (route_chunked) or as torch ops (route_torch, with the combine's inverse
+permutation). Each is captured and timed alone on the inputs the chain gives it, next to the whole block:
+the pieces' sum minus the block is what the chain overlaps (PDL) or adds (launch gaps). The pieces mirror
+rollout.moe_block._experts_triton; the check that their output equals the block's, bit for bit, keeps
+them in step with it. The routing paths the block does not take are timed too, outside the sum (their
+A/B); every path's routing is checked to be the same bits.
 """
 
 from __future__ import annotations
@@ -29,9 +31,16 @@ import bench_moe_block as bmb  # noqa: E402
 
 from quads_megatron.kernels import combine as combine_kernel  # noqa: E402
 from quads_megatron.kernels import route  # noqa: E402
+from quads_megatron.kernels.route_chunked import route_chunked  # noqa: E402
 from quads_megatron.rollout import moe_block as moe  # noqa: E402
 
-FIRST = {True: ("route_fc1_quant",), False: ("route", "fc1_quant")}  # by moe.fused_routing()
+#: the block's first launch(es) by moe.routing_path()
+FIRST = {
+    "fused": ("route_fc1_quant",),
+    "kernel": ("route", "fc1_quant"),
+    "chunked": ("route_chunked", "fc1_quant"),
+    "torch": ("route_torch", "fc1_quant"),
+}
 PIECES = ("fc1", "fc2_quant", "fc2", "combine")  # after the first launch(es)
 
 
@@ -44,7 +53,8 @@ def pieces(t: dict, weights: moe.ExpertWeights, rac: moe.LayerRAC) -> dict:
     h, i = weights.hidden, weights.intermediate
     cfg1, bt1 = moe._gemm_config(rows, 2 * i, h, gemm, x.dtype, x.device)
     cfg2, bt2 = moe._gemm_config(rows, h, i, gemm, x.dtype, x.device)
-    r = route.route(ids, weights.num_experts)
+    one_launch = rows <= route.ROUTE_MAX_ROWS  # the routing kernel and the fused routing route this many
+    r = route.route(ids, weights.num_experts) if one_launch else route_chunked(ids, weights.num_experts)
 
     def op1():  # as moe_w4a4 runs it at decode sizes: routing by extra programs of this launch
         route_args = (ids, weights.num_experts, bt1)
@@ -53,7 +63,11 @@ def pieces(t: dict, weights: moe.ExpertWeights, rac: moe.LayerRAC) -> dict:
     def op1_alone():
         return moe._gemm_operand(x, rac.fc1, None, order_kind, None, check=False, row_tiles=(r.offs, bt1, rows))
 
-    a1 = op1() if moe.fused_routing(rows) else op1_alone()
+    a1 = op1() if moe.routing_path(rows) == "fused" else op1_alone()
+    if one_launch:  # the chunked routing routes as the routing kernel does
+        chunked = route_chunked(ids, weights.num_experts)
+        for name in ("order", "offs", "valid", "tokens", "pos"):
+            assert torch.equal(getattr(chunked, name), getattr(r, name)), name
     if a1.routing is not None:  # the fused launch routes as the routing kernel does
         for name in ("order", "offs", "valid", "tokens", "pos"):
             assert torch.equal(getattr(a1.routing, name), getattr(r, name)), name
@@ -81,9 +95,17 @@ def pieces(t: dict, weights: moe.ExpertWeights, rac: moe.LayerRAC) -> dict:
     def comb():
         return combine_kernel.combine(y2, r.order, ids, w, weights.num_experts, x.dtype, r.pos)
 
+    def torch_route():  # moe_w4a4's torch path: moe.route, each row's token, the combine's inverse permutation
+        order, offs, valid = moe.route(ids, weights.num_experts)
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(order.numel(), device=order.device)
+        return order // ids.shape[1], offs, valid, pos
+
+    one = {"route_fc1_quant": op1, "route": lambda: route.route(ids, weights.num_experts)} if one_launch else {}
     return {
-        "route_fc1_quant": op1,
-        "route": lambda: route.route(ids, weights.num_experts),
+        **one,
+        "route_chunked": lambda: route_chunked(ids, weights.num_experts),
+        "route_torch": torch_route,
         "fc1_quant": op1_alone,
         "fc1": fc1,
         "fc2_quant": op2,
@@ -125,11 +147,12 @@ def main(argv: list[str] | None = None) -> int:
                 row["block_us"] = bmb.time_us(fn, True, args.rep_ms)
                 for name in PIECES:
                     row[f"{name}_us"] = bmb.time_us(p[name], True, args.rep_ms)
-                fused = moe.fused_routing(t["ids"].numel())
-                for name in FIRST[True] + FIRST[False]:
-                    row[f"{name}_us"] = bmb.time_us(p[name], True, args.rep_ms)
-                row["fused_routing"] = fused
-                row["sum_us"] = sum(row[f"{k}_us"] for k in FIRST[fused] + PIECES)
+                path = moe.routing_path(t["ids"].numel())
+                for name in dict.fromkeys(sum(FIRST.values(), ())):
+                    if name in p:
+                        row[f"{name}_us"] = bmb.time_us(p[name], True, args.rep_ms)
+                row["routing"] = path
+                row["sum_us"] = sum(row[f"{k}_us"] for k in FIRST[path] + PIECES)
             out["rows"].append(row)
             print(json.dumps(row), flush=True)
     if args.out:

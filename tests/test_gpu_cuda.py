@@ -6,7 +6,7 @@ test_megatron_patch / test_moe_w4a4 cover the same contracts through the CPU pat
 * the rollout MoE block (the SGLang method's forward) at Qwen3-30B-A3B expert sizes: Triton path
   vs reference, strided S_dec views, and CUDA-graph capture (no host sync on the serving path);
 * the block's fused pieces on the GPU: token-indexed fc1 rows, gated fc2 quantization (also with the row
-  in two pieces, QUADS_ACT_SPLIT_ROW=1), combine;
+  in two pieces, QUADS_ACT_SPLIT_ROW=1), combine, the routing kernels (one launch, chunked);
 * the Gluon Hopper GEMM (kernels/gemm_wgmma.py: the one-partition kernel and the warp-specialized one)
   against the Triton GEMM on every tile it may pick, and the whole block on it (moe_w4a4's default on
   an H200);
@@ -260,6 +260,37 @@ def test_routing_with_row_tiles_on_gpu(tokens, experts, bm):
     assert torch.equal(op.tiles.table, r.tiles.table)
     for name in ("order", "offs", "valid", "tokens", "pos"):
         assert torch.equal(getattr(op.routing, name), getattr(r, name)), name
+
+
+@pytest.mark.parametrize("tokens,experts,chunk", [(1024, 128, None), (4096, 128, None), (16384, 128, None),
+                                                  (16384, 256, 4096), (3000, 128, 256), (5, 16, None)])  # fmt: skip
+def test_chunked_routing_on_gpu(tokens, experts, chunk):
+    """The chunked routing on the GPU's histogram and sort: the torch routing and order's inverse, bit for
+    bit, at prefill sizes (many chunks, the last one partial, foreign slots)."""
+    from quads_megatron.kernels.route_chunked import route_chunked
+    from quads_megatron.rollout.moe_block import route
+
+    g = torch.Generator(device="cuda").manual_seed(tokens + experts)
+    ids = torch.randint(-1, experts + 1, (tokens, TOPK), generator=g, device="cuda")
+    order, offs, valid = route(ids, experts)
+    r = route_chunked(ids, experts, chunk)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel(), device="cuda")
+    assert torch.equal(r.order, order) and torch.equal(r.offs, offs) and torch.equal(r.valid, valid)
+    assert torch.equal(r.tokens, order // TOPK) and torch.equal(r.pos, pos)
+
+
+@pytest.mark.parametrize("tokens", [1024, 4096])
+def test_block_on_the_chunked_routing_on_gpu(monkeypatch, tokens):
+    """moe_w4a4(impl='auto') on the chunked routing and on the torch routing: the same bits."""
+    from quads_megatron.rollout.moe_block import moe_w4a4
+
+    x, ids, tw, weights = moe_case(tokens)
+    ids[::5, 1] = -1  # slots of another EP rank
+    monkeypatch.setenv("QUADS_ROUTING", "torch")
+    want = moe_w4a4(x, ids, tw, weights, check=False)
+    monkeypatch.setenv("QUADS_ROUTING", "chunked")
+    assert torch.equal(moe_w4a4(x, ids, tw, weights, check=False), want)
 
 
 def _w13(w):

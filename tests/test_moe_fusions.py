@@ -227,6 +227,37 @@ def test_route_kernel_equals_the_torch_routing(t, k, e, dtype):
     assert torch.equal(r.tokens, order // k) and torch.equal(r.pos, pos)
 
 
+@pytest.mark.parametrize(
+    "t,k,e,chunk", [(1, 1, 1, 16), (13, 3, 5, 16), (300, 8, 96, 64), (40, 8, 512, 16), (2100, 8, 128, None)]
+)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_chunked_routing_equals_the_torch_routing(t, k, e, chunk, dtype):
+    """route_chunked over one chunk or many (the last one partial; keys spread over chunks): the torch
+    routing's order, offs, valid, each row's token and order's inverse, bit for bit."""
+    from quads_megatron.kernels.route_chunked import route_chunked
+
+    g = torch.Generator().manual_seed(t * 1000 + k * 10 + e)
+    ids = torch.randint(-2, e + 3, (t, k), generator=g).to(dtype)  # foreign ids on both sides of [0, e)
+    r = route_chunked(ids, e, chunk)
+    order, offs, valid = route(ids, e)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel())
+    assert torch.equal(r.order, order) and torch.equal(r.offs, offs) and torch.equal(r.valid, valid)
+    assert torch.equal(r.tokens, order // k) and torch.equal(r.pos, pos)
+
+
+def test_chunked_routing_of_nothing_and_bad_input():
+    from quads_megatron.kernels.route_chunked import chunk_pairs, route_chunked
+
+    r = route_chunked(torch.zeros(0, 8, dtype=torch.long), 4)
+    assert r.offs.tolist() == [0] * 4 and r.order.numel() == 0 and r.pos.numel() == 0
+    with pytest.raises(ValueError, match="integer"):
+        route_chunked(torch.zeros(2, 2), 4)
+    with pytest.raises(ValueError, match="power of two"):
+        route_chunked(torch.zeros(2, 2, dtype=torch.long), 4, chunk=48)
+    assert [chunk_pairs(n) for n in (1, 8192, 131072, 10**7)] == [256, 256, 1024, 4096]
+
+
 @pytest.mark.parametrize("t,k,e,bm", [(16, 8, 128, 8), (5, 2, 4, 16), (40, 8, 16, 32), (3, 4, 8, 1), (300, 8, 96, 16)])
 def test_route_kernel_writes_the_row_tiles(t, k, e, bm):
     """route(tile_rows=bm): each expert's program writes its own row tiles and the foreign program the empty

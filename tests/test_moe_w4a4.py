@@ -86,21 +86,41 @@ def test_triton_path_matches_reference(rac, dtype):
     assert torch.equal(got, moe_w4a4(x, ids, tw, weights, RACS[rac].on("cpu"), impl="triton").float())  # deterministic
 
 
-def test_fused_routing_runs_up_to_its_row_limit_unless_forced(monkeypatch):
-    """The kernel paths fuse the routing into fc1's quantization launch up to FUSED_ROUTING_MAX_ROWS (T*k),
-    where it was timed faster; QUADS_FUSED_ROUTING=0 / =1 force it off / on; another value is an error."""
+def test_routing_path_by_rows_unless_forced(monkeypatch):
+    """The kernel paths route inside fc1's quantization launch up to FUSED_ROUTING_MAX_ROWS (T*k), in the
+    routing kernel's own launch up to ROUTE_MAX_ROWS, then in the chunked routing's two launches;
+    QUADS_ROUTING forces a path; another value, or a one-launch path past its limit, is an error."""
+    from quads_megatron.kernels.route import ROUTE_MAX_ROWS
     from quads_megatron.rollout import moe_block
 
     limit = moe_block.FUSED_ROUTING_MAX_ROWS
-    monkeypatch.delenv("QUADS_FUSED_ROUTING", raising=False)
-    assert moe_block.fused_routing(limit) and not moe_block.fused_routing(limit + 1)
-    monkeypatch.setenv("QUADS_FUSED_ROUTING", "0")
-    assert not moe_block.fused_routing(1)
-    monkeypatch.setenv("QUADS_FUSED_ROUTING", "1")
-    assert moe_block.fused_routing(limit + 1)
-    monkeypatch.setenv("QUADS_FUSED_ROUTING", "yes")
-    with pytest.raises(ValueError, match="QUADS_FUSED_ROUTING must be 0 or 1"):
-        moe_block.fused_routing(1)
+    monkeypatch.delenv("QUADS_ROUTING", raising=False)
+    got = [moe_block.routing_path(n) for n in (limit, limit + 1, ROUTE_MAX_ROWS, ROUTE_MAX_ROWS + 1)]
+    assert got == ["fused", "kernel", "kernel", "chunked"]
+    for path in moe_block.ROUTING_PATHS:
+        monkeypatch.setenv("QUADS_ROUTING", path)
+        assert moe_block.routing_path(limit + 1) == path
+    monkeypatch.setenv("QUADS_ROUTING", "kernel")
+    with pytest.raises(ValueError, match="QUADS_ROUTING=kernel routes at most"):
+        moe_block.routing_path(ROUTE_MAX_ROWS + 1)
+    monkeypatch.setenv("QUADS_ROUTING", "yes")
+    with pytest.raises(ValueError, match="QUADS_ROUTING must be one of"):
+        moe_block.routing_path(1)
+
+
+@pytest.mark.parametrize("rac", ["plain", "dynamic"])
+def test_every_routing_path_gives_the_same_block(monkeypatch, rac):
+    """The block routed in fc1's launch, by the routing kernel, by the chunked routing (its pos feeds the
+    combine) and by torch ops: the same bits, foreign slots included."""
+    weights, _, _ = experts()
+    x, ids, tw = routing()
+    ids[3, 1] = -1  # a slot of another EP rank
+    outs = {}
+    for path in ("fused", "kernel", "chunked", "torch"):
+        monkeypatch.setenv("QUADS_ROUTING", path)
+        outs[path] = moe_w4a4(x, ids, tw, weights, RACS[rac], impl="triton")
+    for path, out in outs.items():
+        assert torch.equal(out, outs["torch"]), path
 
 
 def test_fc2_builds_its_own_row_tiles_where_its_tiles_differ(monkeypatch):
@@ -109,9 +129,9 @@ def test_fc2_builds_its_own_row_tiles_where_its_tiles_differ(monkeypatch):
     writes its own, and the block is the same bit for bit."""
     weights, _, _ = experts()
     x, ids, tw = routing()
-    monkeypatch.setenv("QUADS_FUSED_ROUTING", "0")
+    monkeypatch.setenv("QUADS_ROUTING", "kernel")
     shared = moe_w4a4(x, ids, tw, weights, impl="triton")  # the routing kernel's own launch
-    monkeypatch.setenv("QUADS_FUSED_ROUTING", "1")
+    monkeypatch.setenv("QUADS_ROUTING", "fused")
     assert torch.equal(moe_w4a4(x, ids, tw, weights, impl="triton"), shared)  # routed in fc1's launch: same bits
     config = tile_configs.triton_gemm_config
     monkeypatch.setattr(

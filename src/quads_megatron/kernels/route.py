@@ -7,9 +7,9 @@ each chunk. Same outputs, bit for bit, as the torch path (about a dozen small la
 block needs next (each row's token, each slot's row) and, if asked, the GEMMs' row-tile table
 (row_tiles.tile_map's entries: program e writes its expert's tiles, from a histogram of all keys).
 Every program reads all T*k ids twice, so the kernel suits decode-sized batches (ROUTE_MAX_ROWS); above
-that the torch sort is used. route_program also runs as extra programs of the activation quantization's
-launch (act_quant), so that routing and fc1's quantization, which do not depend on each other, can take
-one launch (rollout.moe_block.fused_routing).
+that, route_chunked.py's two launches route. route_program also runs as extra programs of the activation
+quantization's launch (act_quant), so that routing and fc1's quantization, which do not depend on each
+other, can take one launch (rollout.moe_block.routing_path).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from quads_megatron.kernels import pdl
 from quads_megatron.kernels.pdl import wait_then_release
 from quads_megatron.kernels.row_tiles import RowTiles
 
-#: the most (token, slot) pairs routed by this kernel (above: the torch sort); 1024 tokens at top-8
+#: the most (token, slot) pairs routed by this kernel (above: route_chunked.py); 1024 tokens at top-8
 ROUTE_MAX_ROWS = 8192
 #: ids read per program per step (a whole decode batch in one step up to 256 tokens at top-8)
 ROUTE_BLOCK = 2048
@@ -171,14 +171,18 @@ class RouteLaunch:
         return dataclasses.replace(self.routing, valid=self.routing.valid.view(torch.bool), tiles=self.tiles)
 
 
-def route_launch(topk_ids: torch.Tensor, num_experts: int, tile_rows: int | None = None) -> RouteLaunch:
-    """Check topk_ids [T, k] (integers; ids outside [0, num_experts) are foreign; T*k <= ROUTE_MAX_ROWS) and
-    allocate a routing launch's outputs; tile_rows: also the RowTiles of the grouped rows in tiles of that many."""
+def integer_ids(topk_ids: torch.Tensor) -> torch.Tensor:
+    """topk_ids checked as integer [T, k], as int32 or int64 (narrower integers widened)."""
     integer = not (topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool)
     if topk_ids.dim() != 2 or not integer:
         raise ValueError(f"topk ids must be integer [T, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        topk_ids = topk_ids.long()
+    return topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.long()
+
+
+def route_launch(topk_ids: torch.Tensor, num_experts: int, tile_rows: int | None = None) -> RouteLaunch:
+    """Check topk_ids [T, k] (integers; ids outside [0, num_experts) are foreign; T*k <= ROUTE_MAX_ROWS) and
+    allocate a routing launch's outputs; tile_rows: also the RowTiles of the grouped rows in tiles of that many."""
+    topk_ids = integer_ids(topk_ids)
     n = topk_ids.numel()
     if n > ROUTE_MAX_ROWS:
         raise ValueError(f"route kernel: {n} (token, slot) pairs exceed ROUTE_MAX_ROWS={ROUTE_MAX_ROWS}")

@@ -227,28 +227,42 @@ def moe_w4a4(
         return combine(y2, order, valid, topk_weights).to(x.dtype)
     from quads_megatron.kernels import combine as combine_kernel
     from quads_megatron.kernels import route as route_kernel
+    from quads_megatron.kernels import route_chunked
 
-    routing = None  # fused_routing: routed by extra programs of fc1's quantization launch (kernels/route.py)
-    if topk_ids.numel() > route_kernel.ROUTE_MAX_ROWS:
+    path = routing_path(topk_ids.numel())
+    routing = None  # 'fused': routed by extra programs of fc1's quantization launch (kernels/route.py)
+    if path == "torch":
         order, offs, valid = route(topk_ids, weights.num_experts)
         routing = route_kernel.Routing(order, offs, valid, order // topk_ids.shape[1], None)
-    elif not fused_routing(topk_ids.numel()):  # the routing kernel's own launch
+    elif path == "chunked":
+        routing = route_chunked.route_chunked(topk_ids, weights.num_experts)
+    elif path == "kernel":
         routing = route_kernel.route(topk_ids, weights.num_experts)
     y2, routing = _experts_triton(x, topk_ids, routing, weights, rac, static_amax, activation, check, impl, recipe)
     return combine_kernel.combine(y2, routing.order, topk_ids, topk_weights, weights.num_experts, x.dtype, routing.pos)
 
 
 FUSED_ROUTING_MAX_ROWS = 512  # H100 2026-12-07: fused 2.2 / 1.0 us faster at 128 / 512 rows, 5.4 us slower at 2048
+ROUTING_PATHS = ("fused", "kernel", "chunked", "torch")
 
 
-def fused_routing(rows: int) -> bool:
-    """Whether the kernel paths route these T*k rows inside fc1's quantization launch (one launch fewer) instead
-    of in the routing kernel's own: up to FUSED_ROUTING_MAX_ROWS, where it was timed faster; QUADS_FUSED_ROUTING
-    =1 / =0 forces it on / off (the A/B arms; another value is an error). Either way the outputs are the same bits."""
-    forced = os.environ.get("QUADS_FUSED_ROUTING", "")
-    if forced not in ("", "0", "1"):
-        raise ValueError(f"QUADS_FUSED_ROUTING must be 0 or 1 (or unset), got {forced!r}")
-    return forced == "1" if forced else rows <= FUSED_ROUTING_MAX_ROWS
+def routing_path(rows: int) -> str:
+    """How the kernel paths route T*k rows: 'fused' (extra programs of fc1's quantization launch, up to
+    FUSED_ROUTING_MAX_ROWS, where it was timed faster), 'kernel' (kernels/route.py's one launch, up to its
+    ROUTE_MAX_ROWS), else 'chunked' (kernels/route_chunked.py's two launches). QUADS_ROUTING forces one of
+    ROUTING_PATHS ('torch': this module's route; the A/B arms); the same bits on every path."""
+    from quads_megatron.kernels.route import ROUTE_MAX_ROWS
+
+    forced = os.environ.get("QUADS_ROUTING", "")
+    if forced and forced not in ROUTING_PATHS:
+        raise ValueError(f"QUADS_ROUTING must be one of {', '.join(ROUTING_PATHS)} (or unset), got {forced!r}")
+    if forced in ("fused", "kernel") and rows > ROUTE_MAX_ROWS:
+        raise ValueError(f"QUADS_ROUTING={forced} routes at most ROUTE_MAX_ROWS={ROUTE_MAX_ROWS} pairs, got {rows}")
+    if forced:
+        return forced
+    if rows <= FUSED_ROUTING_MAX_ROWS:
+        return "fused"
+    return "kernel" if rows <= ROUTE_MAX_ROWS else "chunked"
 
 
 def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation, recipe):
