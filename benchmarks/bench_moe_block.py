@@ -32,6 +32,7 @@ TUNED_FILES entry ({"file": SGLang's config file name, "configs": {tokens: confi
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -660,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
             f"floor {row['hbm_floor_us']:.1f} us, rel err {bench_env.fmt(row.get('ours_rel_err'), '.1e')}"
             + (f", errors {sorted(row['errors'])}" if row["errors"] else "")
         )
+        log("  times (us): " + json.dumps({k: round(v, 1) for k, v in row.items() if k.endswith("_us") and v}))
     result["seconds"] = time.time() - t0
     bench_env.write_json(os.path.join(args.out, "moe_block.json"), result)
     for arm, name in TUNED_FILES.items():
