@@ -3,14 +3,14 @@
 # and the activation quantization's two-piece row, checked and timed in one call from this checkout's src/.
 # Usage: bash dev/device/bare_prefill.sh [SECONDS] (default 540; each part gets its share and a timeout, so
 # what finished comes back in $OUT):
-#   cuda.log    tests/test_gpu_cuda.py -k "chunked or two_pieces or routing_with_row_tiles" (the chunked and the
-#               one-launch routing on the GPU's histogram and sort, the block on either, the two-piece row)
+#   cuda.log    tests/test_gpu_cuda.py -k "chunked or two_pieces" (the chunked routing on the GPU's histogram
+#               and sort, the block on it and on the torch routing, the two-piece row)
 #   route.log   dev/probe_route_chunked.py (pairs per chunk vs the one-launch and the torch routing)
-#   block.log   benchmarks/bench_moe_block.py --tokens 256,1024,4096,16384, our arms only (no SGLang here):
+#   block.log   benchmarks/bench_moe_block.py --tokens 1024,4096,16384, our arms only (no SGLang here):
 #               the routing and two-piece-row A/B arms next to ours (moe_block.json / .md)
-#   act.log     dev/probe_act_quant_tiles.py --rows 2048,16384,131072 --inputs fc2 (the two-piece row's A/B)
-#   pieces.log  dev/probe_block_pieces.py --tokens 1024,4096,16384 --rac none (every routing path timed;
+#   pieces.log  dev/probe_block_pieces.py --tokens 4096,16384 --rac none (every routing path timed;
 #               block_pieces.json)
+#   act.log     dev/probe_act_quant_tiles.py --rows 2048,16384,131072 --inputs fc2 (the two-piece row's A/B)
 set -u
 cd "$(dirname "$0")/../.."
 export TRITON_INTERPRET=0 PYTHONPATH="$PWD/src:$PWD/benchmarks" PYTHONUNBUFFERED=1
@@ -20,14 +20,14 @@ budget=${1:-540}
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/gpu.txt"
 part() { local name=$1 share=$2; shift 2; local t0; t0=$(date +%s)
   timeout $((budget * share / 100)) "$@" > "$OUT/$name.log" 2>&1; echo "$name: rc $? in $(( $(date +%s) - t0 )) s"; }
-part cuda 18 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_cuda.py -k "chunked or two_pieces or routing_with_row_tiles"
+part cuda 18 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_cuda.py -k "chunked or two_pieces"
 tail -3 "$OUT/cuda.log"
 part route 8 python3 dev/probe_route_chunked.py
 cat "$OUT/route.log"
-part block 36 python3 benchmarks/bench_moe_block.py --tokens 256,1024,4096,16384 \
+part block 42 python3 benchmarks/bench_moe_block.py --tokens 1024,4096,16384 \
   --arms ours,ours_rac50,ours_torch_route,ours_other_routing,ours_split_row --out "$OUT"
 grep -E "PASS|FAIL|times" "$OUT/block.log"
-part act 16 python3 dev/probe_act_quant_tiles.py --rows 2048,16384,131072 --inputs fc2
-tail -12 "$OUT/act.log"
-part pieces 18 python3 dev/probe_block_pieces.py --tokens 1024,4096,16384 --rac none --out "$OUT"
+part pieces 17 python3 dev/probe_block_pieces.py --tokens 4096,16384 --rac none --out "$OUT"
 tail -4 "$OUT/pieces.log"
+part act 15 python3 dev/probe_act_quant_tiles.py --rows 2048,16384,131072 --inputs fc2
+tail -12 "$OUT/act.log"
