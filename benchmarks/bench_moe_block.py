@@ -5,7 +5,7 @@ moe intermediate 768, top-8), random routing, the same inputs for every arm, CUD
   --layout's expert weights (default tiled, kernels/weight_layout.py: what the method serves at these
   shapes; ours_other_layout: the same block on the other one; ours_split_row: with the activation
   quantization's row in two pieces, QUADS_ACT_SPLIT_ROW=1; ours_torch_route / ours_other_routing: on the
-  torch routing / on the routing kernel it does not take, OTHER_ROUTING); ours_rac50: + dynamic RAC 50%;
+  torch routing / on a routing it does not take, OTHER_ROUTING); ours_rac50: + dynamic RAC 50%;
   ours_rac50_static: + static RAC 50% plans (timing depends on the count);
 * sglang_fp8 / sglang_fp8_tensor / sglang_bf16: SGLang's own fused MoE as its engine runs it on Hopper
   (fused_experts: moe_align_block_size, its Triton GEMMs, fused SiLU*up, top-k sum) for FP8 w8a8
@@ -69,7 +69,7 @@ ARMS = (
 )
 FP8_BLOCK = 128
 #: the routing A/B arm 'ours_other_routing' runs, by the routing 'ours' takes (moe_block.routing_path)
-OTHER_ROUTING = {"fused": "kernel", "kernel": "chunked", "chunked": "kernel"}
+OTHER_ROUTING = {"fused": "kernel", "kernel": "chunked", "chunked": "kernel", "torch": "chunked"}
 #: HBM bandwidth (TB/s) of the floor by a substring of the GPU's name (the SXM parts); others: --hbm-tbps
 HBM_TBPS = {"H200": 4.8, "H100": 3.35}
 #: the SGLang arms that run with the config SGLang ships; each tuned arm: the arm whose call it tunes
@@ -178,9 +178,9 @@ def markdown(result: dict) -> str:
         "dozen torch ops (QUADS_ROUTING=torch) instead of the routing kernels, measured in the same run.",
         "'ours, no mma GEMM': the same block with the GEMMs impl='auto' ran before the decode-size GEMM",
         "(kernels/gemm_mma.py): Triton at <= 1024 grouped rows, the Gluon wgmma kernel above (A/B, same run).",
-        "'ours, other routing': the same block on the routing kernel named 'other' (routing: the path 'ours'",
-        "takes, moe_block.routing_path: 'fused' = extra programs of fc1's quantization launch, 'kernel' = the",
-        "one-launch routing kernel, kernels/route.py, 'chunked' = kernels/route_chunked.py's two launches).",
+        "'ours, other routing': the same block on the routing named 'other' (routing: the path 'ours' takes,",
+        "moe_block.routing_path: 'fused' = extra programs of fc1's quantization launch, 'kernel' = the one-launch",
+        "routing kernel, kernels/route.py, 'chunked' = kernels/route_chunked.py's two launches, 'torch' = torch ops).",
         f"Expert weights {result.get('layout', 'row_major')} (kernels/weight_layout.py); 'ours, other layout': the",
         "same block on the other layout (A/B). 'ours, row in two pieces': the same block with the activation",
         "quantization holding fc2's row of 768 as 512 + 256 (act_quant.row_split, QUADS_ACT_SPLIT_ROW=1; A/B).",
@@ -528,7 +528,8 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
     # the activation quantization's row in two pieces (act_quant.row_split)
     row["routing"] = moe.routing_path(ids.numel())
     fns["ours_torch_route"] = ours_with_env("QUADS_ROUTING", "torch")
-    row["other_routing"] = OTHER_ROUTING[row["routing"]] if ids.numel() <= ROUTE_MAX_ROWS else None
+    other = OTHER_ROUTING[row["routing"]]  # the one-launch paths route at most ROUTE_MAX_ROWS pairs
+    row["other_routing"] = other if other in ("chunked", "torch") or ids.numel() <= ROUTE_MAX_ROWS else None
     if row["other_routing"]:
         fns["ours_other_routing"] = ours_with_env("QUADS_ROUTING", row["other_routing"])
     fns["ours_split_row"] = ours_with_env("QUADS_ACT_SPLIT_ROW", "1")

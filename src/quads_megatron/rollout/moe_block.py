@@ -244,13 +244,16 @@ def moe_w4a4(
 
 FUSED_ROUTING_MAX_ROWS = 512  # H100 2026-12-07: fused 2.2 / 1.0 us faster at 128 / 512 rows, 5.4 us slower at 2048
 ROUTING_PATHS = ("fused", "kernel", "chunked", "torch")
+#: the path above the routing kernel's ROUTE_MAX_ROWS: the torch ops until the chunked routing has run on a GPU
+#: (CPU interpreter only so far; QUADS_ROUTING=chunked takes it, dev/device/bare_prefill.sh checks and times it)
+LARGE_ROUTING = "torch"
 
 
 def routing_path(rows: int) -> str:
     """How the kernel paths route T*k rows: 'fused' (extra programs of fc1's quantization launch, up to
     FUSED_ROUTING_MAX_ROWS, where it was timed faster), 'kernel' (kernels/route.py's one launch, up to its
-    ROUTE_MAX_ROWS), else 'chunked' (kernels/route_chunked.py's two launches). QUADS_ROUTING forces one of
-    ROUTING_PATHS ('torch': this module's route; the A/B arms); the same bits on every path."""
+    ROUTE_MAX_ROWS), else LARGE_ROUTING ('torch': this module's route; 'chunked': kernels/route_chunked.py's
+    two launches). QUADS_ROUTING forces one of ROUTING_PATHS (the A/B arms); the same bits on every path."""
     from quads_megatron.kernels.route import ROUTE_MAX_ROWS
 
     forced = os.environ.get("QUADS_ROUTING", "")
@@ -262,7 +265,7 @@ def routing_path(rows: int) -> str:
         return forced
     if rows <= FUSED_ROUTING_MAX_ROWS:
         return "fused"
-    return "kernel" if rows <= ROUTE_MAX_ROWS else "chunked"
+    return "kernel" if rows <= ROUTE_MAX_ROWS else LARGE_ROUTING
 
 
 def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation, recipe):
