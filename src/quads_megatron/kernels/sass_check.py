@@ -341,12 +341,54 @@ def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False, tiled: bool = False
     }
 
 
+def compile_route_chunked_sm90(chunk: int, experts: int = 128, topk: int = 8) -> dict:
+    """Compile the chunked routing's two launches (kernels/route_chunked.py) for chunks of chunk pairs over
+    experts experts for sm_90 with Triton's ptxas, no GPU needed: per kernel its registers per thread,
+    shared memory, local memory (spills) and whether the histogram and the sort's shuffles lowered."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from quads_megatron.kernels import route_chunked as rc
+
+    nb = triton.next_power_of_2(experts + 2)
+    kernels = {
+        "counts": (rc._chunk_counts_kernel, dict(CHUNK=chunk, NB=nb, HISTOGRAM=True, PDL=True)),
+        "place": (rc._chunk_place_kernel, dict(TOPK=topk, CHUNK=chunk, NB=nb, CB=max(1, 8192 // nb), PDL=True)),
+    }
+    types = {"ids_ptr": "*i64", "order_ptr": "*i64", "pos_ptr": "*i64", "tokens_ptr": "*i64", "valid_ptr": "*i8"}
+    out = {}
+    for name, (fn, consts) in kernels.items():
+        params = list(inspect.signature(fn.fn).parameters)
+        sig = {p: "constexpr" if p in consts else types.get(p, "*i32") if p.endswith("_ptr") else "i32" for p in params}
+        compiled = triton.compile(
+            ASTSource(fn=fn, signature=sig, constexprs=consts),
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=rc.chunk_warps(chunk)),
+        )
+        sass = disassemble(compiled.asm["cubin"])
+        out[name] = {
+            "regs": registers_per_thread(compiled.asm["cubin"]),
+            "smem": compiled.metadata.shared,
+            "spills": len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\s", sass)),
+            "shuffles": len(re.findall(r"\bSHFL\.", sass)),
+            "shared_atomics": len(re.findall(r"\bATOMS\.", sass)),
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Compile each tile of a JSON list of WgmmaConfig fields (argv[0]; --k K; --mma: MmaConfig fields, the
-    decode-size GEMM; --tiled: on tiled weights) and print the reports as one JSON list."""
+    decode-size GEMM; --tiled: on tiled weights) and print the reports as one JSON list; --route-chunked
+    CHUNKS: the chunked routing's reports by chunk size instead."""
     from quads_megatron.kernels.tile_configs import MmaConfig, WgmmaConfig
 
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--route-chunked"]:  # chunk sizes, comma-separated: the chunked routing's reports
+        print(json.dumps({c: compile_route_chunked_sm90(int(c)) for c in argv[1].split(",")}))
+        return
     k, mma, tiled = 2048, False, False
     while argv[:1] in (["--k"], ["--mma"], ["--tiled"]):
         if argv[0] == "--mma":
