@@ -524,7 +524,7 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
 
         return run
 
-    # the block on the torch routing, on the kernel routing it does not use (moe_block.routing_path), and with
+    # the block on the torch routing, on a routing path it does not take (moe_block.routing_path), and with
     # the activation quantization's row in two pieces (act_quant.row_split)
     row["routing"] = moe.routing_path(ids.numel())
     fns["ours_torch_route"] = ours_with_env("QUADS_ROUTING", "torch")

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import bench_moe_block as bmb  # noqa: E402
+from probe_route_chunked import torch_routing  # noqa: E402
 
 from quads_megatron.kernels import combine as combine_kernel  # noqa: E402
 from quads_megatron.kernels import route  # noqa: E402
@@ -95,17 +96,11 @@ def pieces(t: dict, weights: moe.ExpertWeights, rac: moe.LayerRAC) -> dict:
     def comb():
         return combine_kernel.combine(y2, r.order, ids, w, weights.num_experts, x.dtype, r.pos)
 
-    def torch_route():  # moe_w4a4's torch path: moe.route, each row's token, the combine's inverse permutation
-        order, offs, valid = moe.route(ids, weights.num_experts)
-        pos = torch.empty_like(order)
-        pos[order] = torch.arange(order.numel(), device=order.device)
-        return order // ids.shape[1], offs, valid, pos
-
     one = {"route_fc1_quant": op1, "route": lambda: route.route(ids, weights.num_experts)} if one_launch else {}
     return {
         **one,
         "route_chunked": lambda: route_chunked(ids, weights.num_experts),
-        "route_torch": torch_route,
+        "route_torch": lambda: torch_routing(ids, weights.num_experts),
         "fc1_quant": op1_alone,
         "fc1": fc1,
         "fc2_quant": op2,

@@ -20,6 +20,7 @@ from quads_megatron.rollout import moe_block
 
 
 def torch_routing(ids: torch.Tensor, experts: int) -> tuple:
+    """moe_w4a4's torch path: moe_block.route, each row's token and the combine's inverse permutation."""
     order, offs, valid = moe_block.route(ids, experts)
     pos = torch.empty_like(order)
     pos[order] = torch.arange(order.numel(), device=order.device)

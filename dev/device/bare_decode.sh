@@ -11,13 +11,7 @@
 #                  first launches timed; block_pieces.json), on the tiles just written
 set -u
 cd "$(dirname "$0")/../.."
-export TRITON_INTERPRET=0 PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-budget=${1:-540}
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/gpu.txt"
-part() { local name=$1 share=$2; shift 2; local t0; t0=$(date +%s)
-  timeout $((budget * share / 100)) "$@" > "$OUT/$name.log" 2>&1; echo "$name: rc $? in $(( $(date +%s) - t0 )) s"; }
+. dev/device/bare_env.sh "${1:-540}"
 part cuda 25 env QUADS_ROUTING=fused python3 -m pytest -q -p no:cacheprovider tests/test_gpu_cuda.py -k "routing_with_row_tiles or test_mma_gemm"
 tail -3 "$OUT/cuda.log"
 part mma_tiles 45 python3 dev/probe_mma_tiles.py --tokens 16,64 --budget-s $((budget * 36 / 100)) --write-config

@@ -13,13 +13,7 @@
 #   act.log     dev/probe_act_quant_tiles.py --rows 2048,16384,131072 --inputs fc2 (the two-piece row's A/B)
 set -u
 cd "$(dirname "$0")/../.."
-export TRITON_INTERPRET=0 PYTHONPATH="$PWD/src:$PWD/benchmarks" PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-budget=${1:-540}
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/gpu.txt"
-part() { local name=$1 share=$2; shift 2; local t0; t0=$(date +%s)
-  timeout $((budget * share / 100)) "$@" > "$OUT/$name.log" 2>&1; echo "$name: rc $? in $(( $(date +%s) - t0 )) s"; }
+. dev/device/bare_env.sh "${1:-540}"
 part cuda 18 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_cuda.py -k "chunked or two_pieces"
 tail -3 "$OUT/cuda.log"
 part route 8 python3 dev/probe_route_chunked.py
