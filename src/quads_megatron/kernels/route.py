@@ -49,7 +49,7 @@ class Routing:
 
 
 @triton.jit
-def _keys(ids_ptr, i, N, E):
+def pair_keys(ids_ptr, i, N, E):
     """Sort keys of pairs i: the expert for local ids, E for foreign ones, E + 1 past the last pair."""
     ids = tl.load(ids_ptr + i, mask=i < N, other=-1)
     return tl.where(i < N, tl.where((ids >= 0) & (ids < E), ids, E), E + 1)
@@ -84,7 +84,7 @@ def route_program(
     b = tl.arange(0, NB)
     counts = tl.zeros((NB,), tl.int32)  # HAS_TM: pairs per key (for the tile counts)
     for c in range(0, N, BLOCK):  # pass 1: pairs of earlier keys (local experts < e)
-        key = _keys(ids_ptr, c + tl.arange(0, BLOCK), N, E)
+        key = pair_keys(ids_ptr, c + tl.arange(0, BLOCK), N, E)
         before += tl.sum((key < e).to(tl.int32), 0)
         if HAS_TM and HISTOGRAM:
             counts += tl.histogram(key.to(tl.int32), NB)
@@ -93,7 +93,7 @@ def route_program(
     row = before  # next free grouped row of key e
     for c in range(0, N, BLOCK):  # pass 2: this key's pairs in slot order
         i = c + tl.arange(0, BLOCK)
-        key = _keys(ids_ptr, i, N, E)
+        key = pair_keys(ids_ptr, i, N, E)
         mine = key == e
         one = mine.to(tl.int32)
         p = row + tl.cumsum(one, 0) - one

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from quads_megatron.kernels import pdl
 from quads_megatron.kernels.pdl import wait_then_release
-from quads_megatron.kernels.route import Routing, _keys, integer_ids
+from quads_megatron.kernels.route import Routing, integer_ids, pair_keys
 
 #: chunks a launch aims for (one program each); a chunk holds between CHUNK_MIN and CHUNK_MAX pairs
 CHUNK_TARGET = 128
@@ -34,7 +34,7 @@ def _chunk_counts_kernel(
     """counts[c, b]: pairs of key b in chunk c (int32 [C, NB]; key E + 1 counts the padding past N)."""
     wait_then_release(PDL)
     c = tl.program_id(0)
-    key = _keys(ids_ptr, c * CHUNK + tl.arange(0, CHUNK), N, E).to(tl.int32)
+    key = pair_keys(ids_ptr, c * CHUNK + tl.arange(0, CHUNK), N, E).to(tl.int32)
     b = tl.arange(0, NB)
     if HISTOGRAM:
         counts = tl.histogram(key, NB)
@@ -78,7 +78,7 @@ def _chunk_place_kernel(
     # grouped row of the chunk's pair of key b at sorted position s is s + base[b]
     base = ends - total + earlier - (tl.cumsum(own, 0) - own)
     s = tl.arange(0, CHUNK)
-    key = _keys(ids_ptr, c * CHUNK + s, N, E).to(tl.int32)
+    key = pair_keys(ids_ptr, c * CHUNK + s, N, E).to(tl.int32)
     packed = tl.sort(key * CHUNK + s)  # (key, slot) order: stable within the chunk
     k_s = packed // CHUNK
     slot = (c * CHUNK + packed % CHUNK).to(tl.int64)
