@@ -43,7 +43,6 @@ import torch
 
 from quads_megatron import nvfp4
 from quads_megatron.config import RACConfig
-from quads_megatron.kernels.route import ROUTE_MAX_ROWS
 from quads_megatron.rollout import moe_block as moe
 from quads_megatron.rollout import reference
 from quads_megatron.rollout.rac_plan import RACPlan
@@ -528,8 +527,8 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
     # the activation quantization's row in two pieces (act_quant.row_split)
     row["routing"] = moe.routing_path(ids.numel())
     fns["ours_torch_route"] = ours_with_env("QUADS_ROUTING", "torch")
-    other = OTHER_ROUTING[row["routing"]]  # the one-launch paths route at most ROUTE_MAX_ROWS pairs
-    row["other_routing"] = other if other in ("chunked", "torch") or ids.numel() <= ROUTE_MAX_ROWS else None
+    other = OTHER_ROUTING[row["routing"]]
+    row["other_routing"] = other if moe.routing_fits(other, ids.numel()) else None
     if row["other_routing"]:
         fns["ours_other_routing"] = ours_with_env("QUADS_ROUTING", row["other_routing"])
     fns["ours_split_row"] = ours_with_env("QUADS_ACT_SPLIT_ROW", "1")

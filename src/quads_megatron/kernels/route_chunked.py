@@ -96,6 +96,16 @@ def chunk_pairs(n: int) -> int:
     return max(CHUNK_MIN, min(CHUNK_MAX, triton.next_power_of_2(triton.cdiv(max(n, 1), CHUNK_TARGET))))
 
 
+def key_bins(experts: int) -> int:
+    """Histogram bins of the keys: a power of two > E + 1 (local experts, the foreign key E, the padding E + 1)."""
+    return triton.next_power_of_2(experts + 2)
+
+
+def count_rows_per_step(chunks: int, bins: int) -> int:
+    """Rows of the counts the placing launch reads per step (CB): at most 8192 counts in registers."""
+    return max(1, min(triton.next_power_of_2(chunks), 8192 // bins))
+
+
 def chunk_warps(chunk: int) -> int:
     """Warps of both launches for chunks of this many pairs."""
     return 4 if chunk <= 1024 else 8
@@ -117,14 +127,14 @@ def route_chunked(topk_ids: torch.Tensor, num_experts: int, chunk: int | None = 
     if n == 0:
         offs.zero_()
         return Routing(order, offs, valid.view(torch.bool), tokens, pos)
-    nb = triton.next_power_of_2(e + 2)
+    nb = key_bins(e)
     c = triton.cdiv(n, chunk)
     counts = torch.empty((c, nb), dtype=torch.int32, device=dev)
     ids = topk_ids.contiguous().reshape(-1)
     opts = dict(num_warps=chunk_warps(chunk), **pdl.launch_options(dev))
     histogram = os.environ.get("TRITON_INTERPRET", "0") != "1"
     _chunk_counts_kernel[(c,)](ids, counts, n, e, CHUNK=chunk, NB=nb, HISTOGRAM=histogram, **opts)
-    cb = max(1, min(triton.next_power_of_2(c), 8192 // nb))
+    cb = count_rows_per_step(c, nb)
     _chunk_place_kernel[(c,)](
         ids, counts, order, pos, tokens, valid, offs, n, e, c,
         TOPK=topk_ids.shape[1], CHUNK=chunk, NB=nb, CB=cb, **opts,

@@ -353,10 +353,11 @@ def compile_route_chunked_sm90(chunk: int, experts: int = 128, topk: int = 8) ->
 
     from quads_megatron.kernels import route_chunked as rc
 
-    nb = triton.next_power_of_2(experts + 2)
+    nb = rc.key_bins(experts)
+    cb = rc.count_rows_per_step(rc.CHUNK_TARGET, nb)  # the chunk count the launch aims for
     kernels = {
         "counts": (rc._chunk_counts_kernel, dict(CHUNK=chunk, NB=nb, HISTOGRAM=True, PDL=True)),
-        "place": (rc._chunk_place_kernel, dict(TOPK=topk, CHUNK=chunk, NB=nb, CB=max(1, 8192 // nb), PDL=True)),
+        "place": (rc._chunk_place_kernel, dict(TOPK=topk, CHUNK=chunk, NB=nb, CB=cb, PDL=True)),
     }
     types = {"ids_ptr": "*i64", "order_ptr": "*i64", "pos_ptr": "*i64", "tokens_ptr": "*i64", "valid_ptr": "*i8"}
     out = {}

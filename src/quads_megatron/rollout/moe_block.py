@@ -249,6 +249,13 @@ ROUTING_PATHS = ("fused", "kernel", "chunked", "torch")
 LARGE_ROUTING = "torch"
 
 
+def routing_fits(path: str, rows: int) -> bool:
+    """Whether routing path (of ROUTING_PATHS) routes T*k = rows: the one-launch paths up to ROUTE_MAX_ROWS."""
+    from quads_megatron.kernels.route import ROUTE_MAX_ROWS
+
+    return path not in ("fused", "kernel") or rows <= ROUTE_MAX_ROWS
+
+
 def routing_path(rows: int) -> str:
     """How the kernel paths route T*k rows: 'fused' (extra programs of fc1's quantization launch, up to
     FUSED_ROUTING_MAX_ROWS, where it was timed faster), 'kernel' (kernels/route.py's one launch, up to its
@@ -259,7 +266,7 @@ def routing_path(rows: int) -> str:
     forced = os.environ.get("QUADS_ROUTING", "")
     if forced and forced not in ROUTING_PATHS:
         raise ValueError(f"QUADS_ROUTING must be one of {', '.join(ROUTING_PATHS)} (or unset), got {forced!r}")
-    if forced in ("fused", "kernel") and rows > ROUTE_MAX_ROWS:
+    if forced and not routing_fits(forced, rows):
         raise ValueError(f"QUADS_ROUTING={forced} routes at most ROUTE_MAX_ROWS={ROUTE_MAX_ROWS} pairs, got {rows}")
     if forced:
         return forced
