@@ -3,8 +3,8 @@ moe intermediate 768, top-8), random routing, the same inputs for every arm, CUD
 
 * ours: quads_megatron moe_w4a4(impl="auto"), W4A4 NVFP4 (what the quads_nvfp4 SGLang method runs), on
   --layout's expert weights (default tiled, kernels/weight_layout.py: what the method serves at these
-  shapes; ours_other_layout: the same block on the other one; ours_split_row: with the activation
-  quantization's row in two pieces, QUADS_ACT_SPLIT_ROW=1; ours_torch_route / ours_other_routing: on the
+  shapes; ours_other_layout: the same block on the other one; ours_whole_row: with the activation
+  quantization's row as one padded tile, QUADS_ACT_SPLIT_ROW=0; ours_torch_route / ours_other_routing: on the
   torch routing / on a routing it does not take, OTHER_ROUTING); ours_rac50: + dynamic RAC 50%;
   ours_rac50_static: + static RAC 50% plans (timing depends on the count);
 * sglang_fp8 / sglang_fp8_tensor / sglang_bf16: SGLang's own fused MoE as its engine runs it on Hopper
@@ -58,7 +58,7 @@ ARMS = (
     "ours_no_mma",
     "ours_other_routing",
     "ours_other_layout",
-    "ours_split_row",
+    "ours_whole_row",
     "sglang_fp8",
     "sglang_fp8_tuned",
     "sglang_fp8_tensor",
@@ -181,8 +181,9 @@ def markdown(result: dict) -> str:
         "moe_block.routing_path: 'fused' = extra programs of fc1's quantization launch, 'kernel' = the one-launch",
         "routing kernel, kernels/route.py, 'chunked' = kernels/route_chunked.py's two launches, 'torch' = torch ops).",
         f"Expert weights {result.get('layout', 'row_major')} (kernels/weight_layout.py); 'ours, other layout': the",
-        "same block on the other layout (A/B). 'ours, row in two pieces': the same block with the activation",
-        "quantization holding fc2's row of 768 as 512 + 256 (act_quant.row_split, QUADS_ACT_SPLIT_ROW=1; A/B).",
+        "same block on the other layout (A/B). 'ours, row as one tile': the same block with the activation",
+        "quantization holding fc2's row of 768 as one tile padded to 1024 instead of 512 + 256 (act_quant.row_split,",
+        "QUADS_ACT_SPLIT_ROW=0; A/B).",
         "",
     ]
     shipped = result.get("sglang_tuned_configs") or {}
@@ -213,7 +214,7 @@ def markdown(result: dict) -> str:
     ]
     head += ["RAC50 vs FP8", "RAC50 vs FP8 tuned", "NVFP4 floor", "ours % floor", "FP8 floor", "FP8 % floor"]
     head += ["FP8 tuned % floor", "ours max err", "ours, torch routing", "ours GEMM", "ours, no mma GEMM"]
-    head += ["routing", "ours, other routing", "ours, other layout", "ours, row in two pieces"]
+    head += ["routing", "ours, other routing", "ours, other layout", "ours, row as one tile"]
     rows = []
     for r in result["rows"]:
         rows.append(
@@ -230,7 +231,7 @@ def markdown(result: dict) -> str:
                 f(r.get("ours_max_abs_err"), ".2e"),
                 f(r.get("ours_torch_route_us")), r.get("ours_impl", "-"), f(r.get("ours_no_mma_us")),
                 routing_cell(r), f(r.get("ours_other_routing_us")),
-                f(r.get("ours_other_layout_us")), f(r.get("ours_split_row_us")),
+                f(r.get("ours_other_layout_us")), f(r.get("ours_whole_row_us")),
             ]
         )  # fmt: skip
     lines += bench_env.table(head, rows)
@@ -250,8 +251,8 @@ def markdown(result: dict) -> str:
         same = {True: "; other layout: the same bits", False: "; other layout: OTHER BITS"}.get(
             r.get("other_layout_same_bits"), ""
         )
-        same += {True: "; row in two pieces: the same bits", False: "; row in two pieces: OTHER BITS"}.get(
-            r.get("split_row_same_bits"), ""
+        same += {True: "; row as one tile: the same bits", False: "; row as one tile: OTHER BITS"}.get(
+            r.get("whole_row_same_bits"), ""
         )
         lines.append(
             f"- {r['tokens']} tokens: {state} (rel err {f(r.get('ours_rel_err'), '.2e')}{same}); vs bf16: {errs}"
@@ -524,14 +525,14 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
         return run
 
     # the block on the torch routing, on a routing path it does not take (moe_block.routing_path), and with
-    # the activation quantization's row in two pieces (act_quant.row_split)
+    # the activation quantization's row as one padded tile (act_quant.row_split)
     row["routing"] = moe.routing_path(ids.numel())
     fns["ours_torch_route"] = ours_with_env("QUADS_ROUTING", "torch")
     other = OTHER_ROUTING[row["routing"]]
     row["other_routing"] = other if moe.routing_fits(other, ids.numel()) else None
     if row["other_routing"]:
         fns["ours_other_routing"] = ours_with_env("QUADS_ROUTING", row["other_routing"])
-    fns["ours_split_row"] = ours_with_env("QUADS_ACT_SPLIT_ROW", "1")
+    fns["ours_whole_row"] = ours_with_env("QUADS_ACT_SPLIT_ROW", "0")
     if "ours_other_layout" in args.arms:  # A/B of the weights' layout (kernels/weight_layout.py), made once a run
         if "nvfp4_other" not in inp:
             inp["nvfp4_other"] = weights.as_row_major() if weights.tiled else weights.as_tiled()
@@ -576,9 +577,9 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
         if "ours_other_layout" in fns:  # (made only when asked for) a layout moves bytes, not bits
             row["other_layout_same_bits"] = torch.equal(got, fns["ours_other_layout"]())
             row["check_ok"] &= row["other_layout_same_bits"]
-        if "ours_split_row" in args.arms:  # the two-piece row is the same arithmetic
-            row["split_row_same_bits"] = torch.equal(got, fns["ours_split_row"]())
-            row["check_ok"] &= row["split_row_same_bits"]
+        if "ours_whole_row" in args.arms:  # the padded tile is the same arithmetic
+            row["whole_row_same_bits"] = torch.equal(got, fns["ours_whole_row"]())
+            row["check_ok"] &= row["whole_row_same_bits"]
     except Exception as e:
         row["errors"]["check"] = f"{type(e).__name__}: {e}"[:300]
         row["check_ok"] = False

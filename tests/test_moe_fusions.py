@@ -90,9 +90,10 @@ def test_gated_operand_equals_quantizing_the_gated_activation(dtype, rac):
 @pytest.mark.parametrize("k,order", [(48, "pairs"), (384, "wgmma"), (768, "wgmma")])
 @pytest.mark.parametrize("rac", ["none", "plan", "4over6"])
 def test_a_row_in_two_pieces_gives_the_bits_of_one_padded_tile(monkeypatch, k, order, rac):
-    """QUADS_ACT_SPLIT_ROW=1: a whole row of K = P + a smaller power of two (768 = 512 + 256, fc2's input here)
-    held as two unpadded pieces gives the bits of the one tile padded to 2P: the operand (gated and not, both
-    orders) and the codes path, with a static RAC plan and under 4over6; dynamic RAC keeps the one tile."""
+    """A whole row of K = P + a smaller power of two (768 = 512 + 256, fc2's input here) held as two unpadded
+    pieces (QUADS_ACT_SPLIT_ROW=1; by default only where no residual is written) gives the bits of the one tile
+    padded to 2P (=0): the operand (gated and not, both orders) and the codes path, with a static RAC plan and
+    under 4over6; dynamic RAC keeps the one tile."""
     g = torch.Generator().manual_seed(k)
     m = 9
     y1 = (torch.randn(m, 2 * k, generator=g) * 3).bfloat16()
@@ -105,8 +106,16 @@ def test_a_row_in_two_pieces_gives_the_bits_of_one_padded_tile(monkeypatch, k, o
         if rac == "4over6"
         else {}
     )
-    assert act_quant.row_split(k, 2 * k, False, order) == 0  # off unless asked for
+    p = 1 << (k.bit_length() - 1)
+    monkeypatch.delenv("QUADS_ACT_SPLIT_ROW", raising=False)  # by default: where no residual is written
+    assert act_quant.row_split(k, 2 * p, False, order) == p and act_quant.row_split(k, p, False, order) == 0
+    assert act_quant.row_split(k, 2 * p, False, order, residual=True) == 0
     assert act_quant.row_split(k, 2 * k, True, order) == 0  # dynamic RAC ranks the row as one tile
+    monkeypatch.setenv("QUADS_ACT_SPLIT_ROW", "yes")
+    with pytest.raises(ValueError, match="QUADS_ACT_SPLIT_ROW must be 0, 1 or unset"):
+        act_quant.row_split(k, 2 * p, False, order)
+    monkeypatch.setenv("QUADS_ACT_SPLIT_ROW", "0")
+    assert act_quant.row_split(k, 2 * p, False, order) == 0
 
     def run():
         return (
@@ -117,9 +126,9 @@ def test_a_row_in_two_pieces_gives_the_bits_of_one_padded_tile(monkeypatch, k, o
         )
 
     one = run()
-    monkeypatch.setenv("QUADS_ACT_SPLIT_ROW", "1")
-    p = 1 << (k.bit_length() - 1)
-    assert act_quant.row_split(k, 2 * p, False, order) == p and act_quant.row_split(k, p, False, order) == 0
+    monkeypatch.setenv("QUADS_ACT_SPLIT_ROW", "1")  # wherever it can: with a residual too
+    assert act_quant.row_split(k, 2 * p, False, order, residual=True) == p
+    assert act_quant.row_split(k, 2 * k, True, order) == 0
     two = run()
     for a, b in zip(one[:3], two[:3], strict=True):
         assert torch.equal(a.values, b.values) and torch.equal(a.global_decode, b.global_decode)

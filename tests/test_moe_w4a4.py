@@ -88,20 +88,23 @@ def test_triton_path_matches_reference(rac, dtype):
 
 def test_routing_path_by_rows_unless_forced(monkeypatch):
     """The kernel paths route inside fc1's quantization launch up to FUSED_ROUTING_MAX_ROWS (T*k), in the
-    routing kernel's own launch up to ROUTE_MAX_ROWS, then with torch ops (the chunked routing is opt-in
-    until it has run on a GPU); QUADS_ROUTING forces a path; another value, or a one-launch path past its
-    limit, is an error."""
+    routing kernel's own launch up to KERNEL_ROUTING_MAX_ROWS, then in the chunked routing's two launches;
+    QUADS_ROUTING forces a path (the one-launch kernel up to its ROUTE_MAX_ROWS); another value, or a
+    one-launch path past its limit, is an error."""
     from quads_megatron.kernels.route import ROUTE_MAX_ROWS
     from quads_megatron.rollout import moe_block
 
     limit = moe_block.FUSED_ROUTING_MAX_ROWS
     monkeypatch.delenv("QUADS_ROUTING", raising=False)
-    got = [moe_block.routing_path(n) for n in (limit, limit + 1, ROUTE_MAX_ROWS, ROUTE_MAX_ROWS + 1)]
-    assert got == ["fused", "kernel", "kernel", "torch"]
+    kernel = moe_block.KERNEL_ROUTING_MAX_ROWS
+    assert limit < kernel <= ROUTE_MAX_ROWS
+    got = [moe_block.routing_path(n) for n in (limit, limit + 1, kernel, kernel + 1, ROUTE_MAX_ROWS + 1)]
+    assert got == ["fused", "kernel", "kernel", "chunked", "chunked"]
     for path in moe_block.ROUTING_PATHS:
         monkeypatch.setenv("QUADS_ROUTING", path)
         assert moe_block.routing_path(limit + 1) == path
     monkeypatch.setenv("QUADS_ROUTING", "kernel")
+    assert moe_block.routing_path(ROUTE_MAX_ROWS) == "kernel"
     with pytest.raises(ValueError, match="QUADS_ROUTING=kernel routes at most"):
         moe_block.routing_path(ROUTE_MAX_ROWS + 1)
     monkeypatch.setenv("QUADS_ROUTING", "yes")

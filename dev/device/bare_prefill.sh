@@ -19,7 +19,7 @@ tail -3 "$OUT/cuda.log"
 part route 8 python3 dev/probe_route_chunked.py
 cat "$OUT/route.log"
 part block 42 python3 benchmarks/bench_moe_block.py --tokens 1024,4096,16384 \
-  --arms ours,ours_rac50,ours_torch_route,ours_other_routing,ours_split_row --out "$OUT"
+  --arms ours,ours_rac50,ours_torch_route,ours_other_routing,ours_whole_row --out "$OUT"
 grep -E "PASS|FAIL|times" "$OUT/block.log"
 part pieces 17 python3 dev/probe_block_pieces.py --tokens 4096,16384 --rac none --out "$OUT"
 tail -4 "$OUT/pieces.log"

@@ -420,14 +420,14 @@ def test_moe_block_floors_and_fp8_quantization():
 
 def test_moe_block_dry_run_row(tmp_path):
     shape = {"experts": 4, "hidden": 128, "inter": 128, "topk": 2}
-    arms = "ours,torch_bf16,ours_other_layout,ours_split_row,ours_torch_route,ours_other_routing"
+    arms = "ours,torch_bf16,ours_other_layout,ours_whole_row,ours_torch_route,ours_other_routing"
     args = bmb.parse_args(["--dry-run", "--tokens", "4", "--arms", arms, "--workdir", str(tmp_path)])
     assert args.layout == "tiled"  # what the SGLang method serves at these shapes
     inp = bmb.make_inputs(shape, "cpu", tiled=True)
     assert inp["nvfp4"].tiled
     row = bmb.measure(4, shape, inp, None, args, print)
     assert row["check_ok"] and row["ours_max_abs_err"] == 0.0  # on a CPU, auto is the reference
-    assert row["other_layout_same_bits"] and not inp["nvfp4_other"].tiled and row["split_row_same_bits"]
+    assert row["other_layout_same_bits"] and not inp["nvfp4_other"].tiled and row["whole_row_same_bits"]
     assert 0 < row["rel_err_vs_bf16"]["ours"] < 0.5 and row["rel_err_vs_bf16"]["torch_bf16"] == 0.0
     assert row["ours_us"] > 0 and row["ours_vs_torch_bf16"] > 0 and row["errors"] == {}
     assert (row["routing"], row["other_routing"]) == ("fused", "kernel") and row["ours_other_routing_us"] > 0
@@ -435,7 +435,7 @@ def test_moe_block_dry_run_row(tmp_path):
               "rows": [row]}  # fmt: skip
     md = bmb.markdown(result)
     assert "| 4 |" in md and "PASS (rel err" in md and "other layout: the same bits" in md
-    assert "row in two pieces: the same bits" in md and "ours, row in two pieces" in md
+    assert "row as one tile: the same bits" in md and "ours, row as one tile" in md
     assert "| fused (other: kernel) |" in md
     row = bmb.measure(4, shape, inp, None, bmb.parse_args(["--dry-run", "--arms", "sglang_fp8"]), print)
     assert row["errors"] == {"sglang_fp8": "SGLang's fused MoE needs CUDA and sglang"}

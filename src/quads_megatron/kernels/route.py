@@ -7,7 +7,7 @@ each chunk. Same outputs, bit for bit, as the torch path (about a dozen small la
 block needs next (each row's token, each slot's row) and, if asked, the GEMMs' row-tile table
 (row_tiles.tile_map's entries: program e writes its expert's tiles, from a histogram of all keys).
 Every program reads all T*k ids twice, so the kernel suits decode-sized batches (ROUTE_MAX_ROWS); above
-that, the torch ops (route_chunked.py's two launches opt-in: rollout.moe_block.LARGE_ROUTING).
+rollout.moe_block.KERNEL_ROUTING_MAX_ROWS the block takes route_chunked.py's two launches.
 route_program also runs as extra programs of the activation quantization's launch (act_quant), so that
 routing and fc1's quantization, which do not depend on each other, can take one launch
 (rollout.moe_block.routing_path).
@@ -27,7 +27,7 @@ from quads_megatron.kernels import pdl
 from quads_megatron.kernels.pdl import wait_then_release
 from quads_megatron.kernels.row_tiles import RowTiles
 
-#: the most (token, slot) pairs routed by this kernel (above: moe_block.LARGE_ROUTING); 1024 tokens at top-8
+#: the most (token, slot) pairs this kernel routes (1024 tokens at top-8; the block: moe_block.KERNEL_ROUTING_MAX_ROWS)
 ROUTE_MAX_ROWS = 8192
 #: ids read per program per step (a whole decode batch in one step up to 256 tokens at top-8)
 ROUTE_BLOCK = 2048

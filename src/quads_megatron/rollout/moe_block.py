@@ -243,10 +243,10 @@ def moe_w4a4(
 
 
 FUSED_ROUTING_MAX_ROWS = 512  # H100 2026-12-07: fused 2.2 / 1.0 us faster at 128 / 512 rows, 5.4 us slower at 2048
+#: the most rows routed by the one-launch kernel unless forced (above: the chunked routing's two launches;
+#: H100 2026-12-07 at 8192 rows: chunked 5.1 us, one launch 12.3 us, the torch ops 107 us)
+KERNEL_ROUTING_MAX_ROWS = 4096
 ROUTING_PATHS = ("fused", "kernel", "chunked", "torch")
-#: the path above the routing kernel's ROUTE_MAX_ROWS: the torch ops until the chunked routing has run on a GPU
-#: (CPU interpreter only so far; QUADS_ROUTING=chunked takes it, dev/device/bare_prefill.sh checks and times it)
-LARGE_ROUTING = "torch"
 
 
 def routing_fits(path: str, rows: int) -> bool:
@@ -258,9 +258,9 @@ def routing_fits(path: str, rows: int) -> bool:
 
 def routing_path(rows: int) -> str:
     """How the kernel paths route T*k rows: 'fused' (extra programs of fc1's quantization launch, up to
-    FUSED_ROUTING_MAX_ROWS, where it was timed faster), 'kernel' (kernels/route.py's one launch, up to its
-    ROUTE_MAX_ROWS), else LARGE_ROUTING ('torch': this module's route; 'chunked': kernels/route_chunked.py's
-    two launches). QUADS_ROUTING forces one of ROUTING_PATHS (the A/B arms); the same bits on every path."""
+    FUSED_ROUTING_MAX_ROWS, where it was timed faster), 'kernel' (kernels/route.py's one launch, up to
+    KERNEL_ROUTING_MAX_ROWS), else 'chunked' (kernels/route_chunked.py's two launches, any size). QUADS_ROUTING
+    forces one of ROUTING_PATHS ('torch': this module's route; the A/B arms); the same bits on every path."""
     from quads_megatron.kernels.route import ROUTE_MAX_ROWS
 
     forced = os.environ.get("QUADS_ROUTING", "")
@@ -272,7 +272,7 @@ def routing_path(rows: int) -> str:
         return forced
     if rows <= FUSED_ROUTING_MAX_ROWS:
         return "fused"
-    return "kernel" if rows <= ROUTE_MAX_ROWS else LARGE_ROUTING
+    return "kernel" if rows <= KERNEL_ROUTING_MAX_ROWS else "chunked"
 
 
 def _experts_reference(x, tokens, offs, valid, weights, rac, static_amax, activation, recipe):
