@@ -16,9 +16,9 @@ cd "$(dirname "$0")/../.."
 . dev/device/bare_env.sh "${1:-540}"
 part cuda 18 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_cuda.py -k "chunked or two_pieces"
 tail -3 "$OUT/cuda.log"
-part route 8 python3 dev/probe_route_chunked.py
+part route 20 python3 dev/probe_route_chunked.py
 cat "$OUT/route.log"
-part block 42 python3 benchmarks/bench_moe_block.py --tokens 1024,4096,16384 \
+part block 30 python3 benchmarks/bench_moe_block.py --tokens 1024,4096,16384 \
   --arms ours,ours_rac50,ours_torch_route,ours_other_routing,ours_whole_row --out "$OUT"
 grep -E "PASS|FAIL|times" "$OUT/block.log"
 part pieces 17 python3 dev/probe_block_pieces.py --tokens 4096,16384 --rac none --out "$OUT"

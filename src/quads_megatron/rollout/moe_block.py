@@ -244,8 +244,8 @@ def moe_w4a4(
 
 FUSED_ROUTING_MAX_ROWS = 512  # H100 2026-12-07: fused 2.2 / 1.0 us faster at 128 / 512 rows, 5.4 us slower at 2048
 #: the most rows routed by the one-launch kernel unless forced (above: the chunked routing's two launches;
-#: H100 2026-12-07 at 8192 rows: chunked 5.1 us, one launch 12.3 us, the torch ops 107 us)
-KERNEL_ROUTING_MAX_ROWS = 4096
+#: H200 2026-12-07: one launch 4.0 / 6.7 / 12.4 us at 2048 / 4096 / 8192 rows, chunked 4.4 / 4.5 / 4.9 us)
+KERNEL_ROUTING_MAX_ROWS = 2048
 ROUTING_PATHS = ("fused", "kernel", "chunked", "torch")
 
 
