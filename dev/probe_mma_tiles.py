@@ -40,12 +40,13 @@ def candidates(rows: int) -> list[dict]:
     groups x chunks per k-step (the weight bytes a thread has in flight: 16 per row, chunk and group), the
     weights' cache hint on the smaller ones, one register-pipelined tile, and 2-8 chunks with every code load
     of the step issued first (weights_first; 3 chunks too, fc2's K = 768 in two steps). 32 token rows: an
-    expert's weights read once where it has 17-32 rows (256 tokens: 16 a hit expert on average)."""
+    expert's weights read once where it has 17-32 rows (256 tokens: 16 a hit expert on average); 2-4 row groups
+    there cut the activation bytes every warp reads per weight decoded (each warp holds all token rows)."""
     first = [(4, 2), (4, 3), (4, 4), (4, 8), (8, 3), (8, 4)]
     if rows <= 512:
         return _candidates(8, [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)], first)
     out = _candidates(16, [(1, 1), (1, 2), (2, 2), (1, 4)], first)
-    return out + _candidates(32, [(1, 1), (1, 2), (1, 4)], [(4, 2), (4, 4), (8, 2)])
+    return out + _candidates(32, [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (1, 4)], [(4, 2), (4, 4), (8, 2)])
 
 
 def _candidates(bt: int, shapes: list[tuple[int, int]], first: list[tuple[int, int]]) -> list[dict]:
@@ -147,7 +148,11 @@ def main() -> None:
                         pairs.values, pairs.global_decode, offs, *w, a_rows=a_rows, config=cfg
                     )
 
-                got = fn().float()[:rows]
+                try:
+                    got = fn().float()[:rows]
+                except Exception as e:  # out of registers / shared memory: report and go on
+                    print(f"{name} tokens {tokens} tile {tile} failed: {repr(e)[:160]}", flush=True)
+                    continue
                 ok = torch.allclose(got, want, rtol=1e-2, atol=1e-3 * want.abs().max().item())
                 all_ok &= ok
                 if not ok:

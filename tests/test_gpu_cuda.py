@@ -446,7 +446,8 @@ def test_mma_gemm_matches_the_triton_gemm(layer):
                                            (16, 4, 1, 1, 0), (16, 4, 2, 2, 0), (16, 8, 2, 1, 0), (8, 4, 2, 1, 1),
                                            (16, 8, 1, 1, 1), (8, 4, 1, 4, 2), (8, 4, 2, 8, 2),
                                            (16, 4, 1, 2, 2), (8, 4, 1, 3, 2), (32, 4, 1, 2, 0), (32, 8, 1, 1, 0),
-                                           (32, 4, 1, 4, 2), (32, 4, 2, 1, 1)]:  # fmt: skip  (pf 2: weights_first)
+                                           (32, 4, 1, 4, 2), (32, 4, 2, 1, 1), (32, 4, 2, 1, 0),
+                                           (32, 4, 4, 1, 0)]:  # fmt: skip  (pf 2: weights_first)
                     kw = MmaConfig(block_t=bt, num_warps=nw, row_groups=rg, chunks=kc, prefetch=pf == 1,
                                    weights_first=pf == 2)  # fmt: skip
                     got = mm.grouped_w4a4_mma(op.values, op.global_decode, offs, *w, dtype, a_rows, config=kw)

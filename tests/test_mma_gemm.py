@@ -53,7 +53,8 @@ EXTRA_TILES = [(8, 4, 1, 1, False), (8, 8, 2, 2, False), (16, 4, 1, 2, False), (
                (8, 8, 2, 4, False, "cg"), (8, 4, 2, 2, False, "evict_first"), (8, 4, 1, 4, False, "default", True),
                (8, 4, 1, 8, False, "default", True), (16, 8, 1, 2, False, "default", True),
                (8, 4, 1, 3, False, "default", True), (32, 4, 1, 2, False, "evict_first"), (32, 8, 1, 1, False),
-               (32, 4, 1, 4, False, "default", True), (32, 4, 2, 1, True)]  # fmt: skip
+               (32, 4, 1, 4, False, "default", True), (32, 4, 2, 1, True), (32, 4, 2, 1, False, "evict_first"),
+               (32, 4, 4, 1, False, "evict_first")]  # fmt: skip
 
 
 def shipped_and_extra_tiles() -> list[MmaConfig]:
