@@ -1,7 +1,8 @@
 """Device probe: where the MoE block's time goes, launch by launch.
 
-python dev/probe_block_pieces.py [--tokens 16,64,256] [--rac none,dyn50] [--out DIR]
-(CUDA GPU; CUDA-graph replay medians; Qwen3-30B-A3B experts, bench_moe_block's inputs)
+python dev/probe_block_pieces.py [--tokens 16,64,256] [--rac none,dyn50] [--layout tiled|row_major] [--out DIR]
+(CUDA GPU; CUDA-graph replay medians; Qwen3-30B-A3B experts, bench_moe_block's inputs, the weights in the
+layout the SGLang method serves unless --layout row_major)
 python dev/probe_block_pieces.py --dry-run      (CPU, TRITON_INTERPRET=1: tiny shapes, the pieces' outputs
                                                  checked against the whole block, no timing)
 
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="16,64,256")
     ap.add_argument("--rac", default="none,dyn50", help="comma-separated: none, dyn50 (dynamic RAC 50%%)")
     ap.add_argument("--rep-ms", type=int, default=60)
+    ap.add_argument("--layout", choices=("tiled", "row_major"), default="tiled", help="the expert weights' layout")
     ap.add_argument("--out", default=None, help="also write block_pieces.json here")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
@@ -126,9 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if cuda else "cpu"
     shape = bmb.SHAPE if cuda else bmb.TINY
     tokens = [int(v) for v in args.tokens.split(",")] if cuda else [4, 16]
-    inp = bmb.make_inputs(shape, device)
+    inp = bmb.make_inputs(shape, device, tiled=args.layout == "tiled")
     weights = inp["nvfp4"]
-    out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if cuda else "cpu", "rows": []}
+    out = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "layout": args.layout,
+        "rows": [],
+    }
     for n in tokens:
         t = bmb.make_tokens(n, shape, inp, device)
         for mode in args.rac.split(","):

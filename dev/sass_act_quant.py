@@ -3,7 +3,9 @@
 machine without a GPU (Triton AOT, cuobjdump) and prints registers and instructions per row, with the row
 as one tile padded to 1024 and as two pieces (512 + 256, act_quant.row_split).
 
-python dev/sass_act_quant.py [--warps 1] [--k 768]
+python dev/sass_act_quant.py [--warps 1] [--k 768] [--rac none|static|dynamic] [--plain]
+(--rac: the residual of a static plan or of the dynamic per-token selection folded into the operand, as the
+block's RAC runs it, where the row is one tile; --plain: fc1's ungated input)
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from quads_megatron.kernels.sass_check import disassemble, registers_per_thread
 POINTERS = {"x_ptr": "*bf16", "op_ptr": "*fp16", "sdec_ptr": "*fp32", "amax_ptr": "*fp32", "valid_ptr": "*i8"}
 
 
-def compile_gated(k: int, warps: int, split_k: int) -> dict:
-    """Registers, instructions and the commonest opcodes of the gated operand kernel (one row per program)."""
+def compile_gated(k: int, warps: int, split_k: int, rac: str = "none", gated: bool = True) -> dict:
+    """Registers, instructions and the commonest opcodes of the operand kernel (one row per program)."""
     fn = act_quant._act_quant_kernel
     params = list(inspect.signature(fn.fn).parameters)
     consts = dict(
-        K=k, STATIC=False, HAS_RES=False, DYNAMIC=False, OPERAND=True, WGMMA_ORDER=True, GATED=True,
+        K=k, STATIC=False, HAS_RES=rac != "none", DYNAMIC=rac == "dynamic", OPERAND=True, WGMMA_ORDER=True, GATED=gated,
         HAS_VALID=True, X_BF16=True, FOUR_OVER_SIX=False, FOS_MSE=False, E4M3_MAX=448.0, BLOCK_M=1,
         BLOCK_K=triton.next_power_of_2(k), SPLIT_K=split_k, HAS_TM=False, TM_BM=1, TM_BLOCK_E=2, TM_BLOCK_P=64,
         HAS_ROUTE=False, R_TOPK=1, R_BLOCK=16, R_NB=2, R_HISTOGRAM=True, PDL=True,
@@ -53,12 +55,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--warps", type=int, default=1)
     ap.add_argument("--k", type=int, default=768)
+    ap.add_argument("--rac", choices=("none", "static", "dynamic"), default="none")
+    ap.add_argument("--plain", action="store_true", help="fc1's input: no SiLU(gate) * up")
     args = ap.parse_args()
     p = 1 << (args.k.bit_length() - 1)
-    for name, split_k in (("one padded tile", 0), ("two pieces", p if p != args.k else 0)):
-        r = compile_gated(args.k, args.warps, split_k)
+    pieces = [("one padded tile", 0)] + ([("two pieces", p)] if p != args.k and args.rac == "none" else [])
+    for name, split_k in pieces:
+        r = compile_gated(args.k, args.warps, split_k, args.rac, not args.plain)
         print(
-            f"K={args.k} {args.warps} warp(s), {name}: {r['regs']} registers, {r['instructions']} instructions "
+            f"K={args.k} {args.warps} warp(s), rac {args.rac}, {'plain' if args.plain else 'gated'}, {name}: "
+            f"{r['regs']} registers, {r['instructions']} instructions "
             f"(the whole kernel: one row); commonest {r['ops'].most_common(8)}",
             flush=True,
         )
