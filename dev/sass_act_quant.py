@@ -22,10 +22,12 @@ from triton.compiler import ASTSource
 from quads_megatron.kernels import act_quant
 from quads_megatron.kernels.sass_check import disassemble, registers_per_thread
 
-POINTERS = {"x_ptr": "*bf16", "op_ptr": "*fp16", "sdec_ptr": "*fp32", "amax_ptr": "*fp32", "valid_ptr": "*i8"}
+POINTERS = {
+    "x_ptr": "*bf16", "op_ptr": "*fp16", "sdec_ptr": "*fp32", "amax_ptr": "*fp32", "valid_ptr": "*i8", "mask_ptr": "*i8"
+}  # fmt: skip
 
 
-def compile_gated(k: int, warps: int, split_k: int, rac: str = "none", gated: bool = True) -> dict:
+def compile_operand(k: int, warps: int, split_k: int, rac: str = "none", gated: bool = True) -> dict:
     """Registers, instructions and the commonest opcodes of the operand kernel (one row per program)."""
     fn = act_quant._act_quant_kernel
     params = list(inspect.signature(fn.fn).parameters)
@@ -61,7 +63,7 @@ def main() -> None:
     p = 1 << (args.k.bit_length() - 1)
     pieces = [("one padded tile", 0)] + ([("two pieces", p)] if p != args.k and args.rac == "none" else [])
     for name, split_k in pieces:
-        r = compile_gated(args.k, args.warps, split_k, args.rac, not args.plain)
+        r = compile_operand(args.k, args.warps, split_k, args.rac, not args.plain)
         print(
             f"K={args.k} {args.warps} warp(s), rac {args.rac}, {'plain' if args.plain else 'gated'}, {name}: "
             f"{r['regs']} registers, {r['instructions']} instructions "
