@@ -1,7 +1,7 @@
-"""Offline sm_90 SASS of the activation quantization (kernels/act_quant.py) as fc2 runs it: the gated input
-(SiLU(gate) * up, K = 768), the decoded operand in the "wgmma" order, one row per program. Compiles on a
+"""Offline sm_90 SASS of the activation quantization (kernels/act_quant.py) as fc2 runs it by default: the gated
+input (SiLU(gate) * up, K = 768), the decoded operand in the "wgmma" order, one row per program. Compiles on a
 machine without a GPU (Triton AOT, cuobjdump) and prints registers and instructions per row, with the row
-as one tile padded to 1024 and as two pieces (512 + 256, act_quant.row_split).
+as one tile padded to 1024 and, without RAC, as two pieces (512 + 256, act_quant.row_split).
 
 python dev/sass_act_quant.py [--warps 1] [--k 768] [--rac none|static|dynamic] [--plain]
 (--rac: the residual of a static plan or of the dynamic per-token selection folded into the operand, as the
