@@ -33,6 +33,7 @@ from probe_wgmma_tiles import HIDDEN, INTER, expert_weights, fc1_rows  # noqa: E
 from tile_writer import CONFIGS, current_first, dumps_table, write_config  # noqa: E402
 
 FIELDS = ("block_t", "num_warps", "row_groups", "chunks", "prefetch", "weight_loads", "weights_first")
+SHOWN = (*FIELDS, "l2_prefetch")  # how a tile is printed: FIELDS, then the L2 prefetch distance (0: none)
 
 
 def candidates(rows: int) -> list[dict]:
@@ -94,7 +95,7 @@ def tiled_ab(name: str, tokens: int, pairs, offs, a_rows, w, tiles: list[dict]) 
         ok &= same
         us = {k: bench(f) for k, f in runs.items()}
         print(
-            f"  {name} tokens {tokens} tiled A/B {'/'.join(str(tile.get(f, False)) for f in FIELDS)}: "
+            f"  {name} tokens {tokens} tiled A/B {'/'.join(str(tile.get(f, False)) for f in SHOWN)}: "
             f"rows {us['rows']:.1f} us, tiled {us['tiled']:.1f} us ({us['rows'] / us['tiled']:.2f}x), same bits {same}",
             flush=True,
         )
@@ -168,7 +169,7 @@ def main() -> None:
             print(
                 f"{name} tokens {tokens} rows {rows}: {kind} {base_us:.1f} us; mma best {best:.1f} us "
                 f"({base_us / best:.2f}x); "
-                + "; ".join(f"{u:.1f} {'/'.join(str(t.get(f, False)) for f in FIELDS)}" for u, t in res[:5]),
+                + "; ".join(f"{u:.1f} {'/'.join(str(t.get(f, False)) for f in SHOWN)}" for u, t in res[:8]),
                 flush=True,
             )
             if args.tiled and args.layout == "rows":

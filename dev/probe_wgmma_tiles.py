@@ -3,7 +3,7 @@ fc2) shape, per token count, side by side with the Triton GEMM at its tuned tile
 each tile is checked against the Triton GEMM (same exact products, other fp32 order).
 
 python dev/probe_wgmma_tiles.py [--tokens 16,64,256,1024,4096,16384] [--budget-s 300] [--match REGEX]
-    [--mask-rows] [--narrow] [--gemm fc1|fc2] [--layout rows|tiled] [--write-config]
+    [--mask-rows] [--narrow] [--gemm fc1|fc2] [--layout rows|tiled] [--l2-prefetch 0,4] [--write-config]
 (CUDA GPU; CUDA-graph replay medians; fc1: token-indexed rows as moe_w4a4 runs it, fc2: one operand row per
 grouped row, N = hidden, K = intermediate; no RAC; --layout tiled: every quads GEMM on weight_layout's
 tiled weights, the layout the SGLang method serves)
@@ -136,7 +136,8 @@ def tile_name(f: dict) -> str:
     name = f"BT{f['block_t']} w{f['num_warps']} s{f['stages']} c{f['chunks']} u{f['unroll']} "
     name += f"r{f['maxnreg'] or '-'} ws{f['loader_warps']} p{f['ctas_per_sm']}"
     flags = [("split", "split"), ("mask_rows", "masked rows"), ("narrow", "narrow"), ("tma_store", "tma store")]
-    return name + "".join(f" {text}" for key, text in flags if f[key])
+    name += "".join(f" {text}" for key, text in flags if f[key])
+    return name + (f" l2 {f['l2_prefetch']}" if f.get("l2_prefetch") else "")
 
 
 def bench(fn) -> float:
@@ -169,7 +170,11 @@ def main() -> None:
     ap.add_argument("--write-config", action="store_true", help="write the winners into configs/wgmma_gemm.json")
     ap.add_argument("--gemm", choices=("fc1", "fc2"), default="fc1", help="fc2: N=hidden, K=inter (its max_k rules)")
     ap.add_argument("--layout", choices=("rows", "tiled"), default="rows", help="the NVFP4 weights' layout")
+    ap.add_argument(
+        "--l2-prefetch", default="0", help="comma-separated l2_prefetch values each warp-specialized tile also runs at"
+    )
     args = ap.parse_args()
+    l2s = [int(v) for v in args.l2_prefetch.split(",")]
     n_out, k_in = (2 * INTER, HIDDEN) if args.gemm == "fc1" else (HIDDEN, INTER)
     runs = []  # (rule, rows, tile, us) for --write-config
     t0 = time.time()
@@ -212,10 +217,13 @@ def main() -> None:
         masks = (True,) if args.write_config else ((False, True) if args.mask_rows else (False,))
         narrows = args.narrow or args.write_config
         variants = [
-            full_fields({**dict(zip(FIELDS, (*t, False)[:9], strict=True)), "mask_rows": m, "narrow": nr})
+            full_fields(
+                {**dict(zip(FIELDS, (*t, False)[:9], strict=True)), "mask_rows": m, "narrow": nr, "l2_prefetch": l2}
+            )
             for t in tiles(rows)
             for m in masks
             for nr in ((False, True) if narrows and t[6] and t[0] >= 32 else (False,))
+            for l2 in (l2s if t[6] else (0,))
         ]
         if args.write_config:
             variants = current_first(full_fields(current["tile"]), variants)

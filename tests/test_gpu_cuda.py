@@ -14,6 +14,7 @@ test_megatron_patch / test_moe_w4a4 cover the same contracts through the CPU pat
   and the whole block on it.
 """
 
+import dataclasses
 import functools
 import warnings
 
@@ -407,6 +408,10 @@ def test_wgmma_gemm_matches_the_triton_gemm(layer):
         assert torch.equal(on_tiles(config=WgmmaConfig(**kw, tma_store=True)), ys[0]), (kw, "tiled")
         if bt == 128 and n % 192 == 0:
             assert torch.equal(on_tiles(config=WgmmaConfig(**three, tma_store=True)), ys[0]), (three, "tiled")
+        # the loader's L2 prefetches ahead (one chunk, four, past the row's end) change no bit, on either layout
+        for l2 in (1, 4, 16):
+            assert torch.equal(gemm(config=WgmmaConfig(**kw, l2_prefetch=l2)), ys[0]), (kw, l2)
+            assert torch.equal(on_tiles(config=WgmmaConfig(**kw, l2_prefetch=l2)), ys[0]), (kw, l2, "tiled")
 
 
 @pytest.mark.parametrize("layer", ["fc1", "fc2"])
@@ -459,6 +464,14 @@ def test_mma_gemm_matches_the_triton_gemm(layer):
                         assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item()), kw
                     same = mm.grouped_w4a4_mma(op.values, op.global_decode, offs, *tiled, dtype, a_rows, config=kw)
                     assert torch.equal(same[:rows].float(), got), ("tiled", kw)
+                # L2 prefetches ahead (one chunk, four, past the row's end; each K loop) change no bit
+                for kw in (MmaConfig(chunks=2, weights_first=True), MmaConfig(chunks=4), MmaConfig(prefetch=True)):
+                    for wts in (w, tiled):
+                        y0 = mm.grouped_w4a4_mma(op.values, op.global_decode, offs, *wts, dtype, a_rows, config=kw)
+                        for l2 in (1, 4, 16):
+                            kl2 = dataclasses.replace(kw, l2_prefetch=l2)
+                            y = mm.grouped_w4a4_mma(op.values, op.global_decode, offs, *wts, dtype, a_rows, config=kl2)
+                            assert torch.equal(y, y0), (kl2, dtype)
         for big in (0, 128, 1024, 8192):  # the tuned tiles of each row bucket
             kw = tile_configs.mma_config(big, k, "cuda") if big else None
             y = mm.grouped_w4a4_mma(pairs.values, pairs.global_decode, offs, *w, a_rows=tok, config=kw)[:rows]

@@ -47,14 +47,16 @@ def test_weights_and_activations_meet_in_the_same_k_slot():
         assert set((k_w[slots] // 32).tolist()) == {t}
 
 
-# (block_t, num_warps, row_groups, chunks, prefetch[, weight_loads[, weights_first]])
+# (block_t, num_warps, row_groups, chunks, prefetch[, weight_loads[, weights_first[, l2_prefetch]]])
 EXTRA_TILES = [(8, 4, 1, 1, False), (8, 8, 2, 2, False), (16, 4, 1, 2, False), (16, 8, 1, 1, False), (8, 4, 2, 1, True),
                (16, 4, 1, 1, True), (8, 4, 1, 4, False), (8, 4, 1, 8, False), (8, 4, 4, 2, False),
                (8, 8, 2, 4, False, "cg"), (8, 4, 2, 2, False, "evict_first"), (8, 4, 1, 4, False, "default", True),
                (8, 4, 1, 8, False, "default", True), (16, 8, 1, 2, False, "default", True),
                (8, 4, 1, 3, False, "default", True), (32, 4, 1, 2, False, "evict_first"), (32, 8, 1, 1, False),
                (32, 4, 1, 4, False, "default", True), (32, 4, 2, 1, True), (32, 4, 2, 1, False, "evict_first"),
-               (32, 4, 4, 1, False, "evict_first")]  # fmt: skip
+               (32, 4, 4, 1, False, "evict_first"), (8, 4, 1, 2, False, "default", True, 4),
+               (8, 4, 1, 4, False, "evict_first", False, 8), (16, 4, 1, 1, True, "default", False, 2),
+               (8, 8, 2, 2, False, "default", False, 16)]  # fmt: skip
 
 
 def shipped_and_extra_tiles() -> list[MmaConfig]:
@@ -93,6 +95,9 @@ def test_kernel_compiles_for_sm90_streaming_registers_only(k):
                 "evict_first": ("LDG.E.EF.128", "LDG.E.EF.U16")}[t.weight_loads]  # the weights' cache hint
         assert set(r["loop_load_ops"]) == {"LDG.E.128", *want}, r  # activations: 16 bytes, no hint
         assert r["spills"] == 0, r
+        # l2_prefetch: each chunk's code and scale bytes asked of L2 ahead, a row-major row per thread (two
+        # prefetches, once more for every 32 * num_warps rows of the CTA's 16 * num_warps * row_groups)
+        assert r["loop_l2_prefetch"] == (2 * -(-t.row_groups // 2) * chunks if t.l2_prefetch else 0), r
         # decode (11 per 8 weights), scale (1 per 2), loads, MMAs and the loop: under 3 instructions a weight
         # (the Triton and Gluon wgmma GEMMs: 3.6); 16 token rows take two MMAs per decoded weight fragment
         # (a register pipeline adds moves there), 32 rows four

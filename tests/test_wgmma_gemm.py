@@ -82,9 +82,9 @@ def test_grouped_w4a4_refuses_a_wgmma_operand():
 
 
 # tiles compiled besides the data file's (BT, warps, stages, chunks, unroll, loader warps, maxnreg, ctas per SM,
-# split, mask_rows, narrow, tma_store): multi-step runs, deep rings, unmasked rows, one and two loader warps,
-# in-slot overlap, unsplit consumers, narrow tiles on one consumer partition, TMA stores at 32 tokens and
-# with three consumer warpgroups, a 3-slot ring at 192 weight rows
+# split, mask_rows, narrow, tma_store[, l2_prefetch]): multi-step runs, deep rings, unmasked rows, one and two
+# loader warps, in-slot overlap, unsplit consumers, narrow tiles on one consumer partition, TMA stores at 32
+# tokens and with three consumer warpgroups, a 3-slot ring at 192 weight rows, L2 prefetches by the loader
 EXTRA_TILES = [
     (32, 8, 4, 2, 2, 0, None, 0, False, False, False, False),
     (16, 8, 6, 1, 8, 0, None, 0, False, False, False, False),
@@ -99,6 +99,9 @@ EXTRA_TILES = [
     (64, 8, 3, 1, 1, 4, 80, 0, False, True, True, False),
     (32, 8, 3, 2, 1, 4, 80, 0, True, True, True, True),
     (128, 12, 3, 1, 1, 4, 128, 1, True, True, True, True),
+    (32, 8, 3, 2, 1, 4, 80, 2, True, True, True, False, 4),
+    (64, 8, 3, 1, 1, 4, 80, 0, False, True, True, False, 8),
+    (128, 12, 2, 2, 1, 4, 128, 1, True, True, True, False, 2),
 ]
 
 
@@ -106,7 +109,8 @@ def shipped_and_extra_tiles() -> list[WgmmaConfig]:
     names = [f.name for f in dataclasses.fields(WgmmaConfig)]
     table = tile_configs.load_table("wgmma_gemm")
     shipped = [WgmmaConfig(**r["tile"]) for entry in table["devices"].values() for r in entry["rules"]]
-    return list(dict.fromkeys(shipped + [WgmmaConfig(**dict(zip(names, t, strict=True))) for t in EXTRA_TILES]))
+    extra = [WgmmaConfig(**dict(zip(names[: len(t)], t, strict=True))) for t in EXTRA_TILES]
+    return list(dict.fromkeys(shipped + extra))
 
 
 def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
@@ -157,6 +161,8 @@ def test_kernel_compiles_for_sm90_with_register_operand_and_async_wgmma():
         # TMA stores: one bulk store per consumer partition (full-width tiles only), none without
         assert r["tma_stores"] == (parts if t.tma_store else 0), r
         assert bool(r["setmaxnreg"]) == bool(lw), r
+        # l2_prefetch: the loader asks L2 for weight chunks ahead (prefetch.global.L2), nothing else does
+        assert (r["l2_prefetches"] > 0) == bool(t.l2_prefetch), r
 
 
 def test_kernel_compiles_on_tiled_weights():

@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from quads_megatron.kernels.gluon_device import (
     decode_weights,
+    l2_prefetch_chunk,
     tile_coords,
     tile_scales,
     wait_then_release,
@@ -144,6 +145,7 @@ def w4a4_mma_kernel(
     PDL: gl.constexpr,
     TILED: gl.constexpr = False,
     WEIGHTS_FIRST: gl.constexpr = False,
+    L2_AHEAD: gl.constexpr = 0,
 ):
     wait_then_release(PDL)
     BN: gl.constexpr = 16 * NW * RG  # weight rows per CTA
@@ -190,6 +192,8 @@ def w4a4_mma_kernel(
     W_CACHE: gl.constexpr = ".cg" if WEIGHT_LOADS == "cg" else ""
     W_EVICT: gl.constexpr = "evict_first" if WEIGHT_LOADS == "evict_first" else ""
     acc = gl.zeros([BN, BT], gl.float32, layout=mma)
+    for pc in gl.static_range(L2_AHEAD):  # the first chunks' requests to L2; the K loop keeps L2_AHEAD ahead
+        l2_prefetch_chunk(w_ptr, ws_ptr, e * N + n0, pc, K, BN, 32 * NW, TILED)
     if PREFETCH:  # the next chunk's loads in flight under this one's decode; codes carried as int32 words
         wl: gl.constexpr = WORDS_LAYOUT
         wr2 = (e * N + n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))).to(gl.int64)
@@ -203,6 +207,8 @@ def w4a4_mma_kernel(
         s = gl.load(s_ptrs, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
         x = gl.load(x_ptrs)
         for j in range(NK * KC):
+            if L2_AHEAD:
+                l2_prefetch_chunk(w_ptr, ws_ptr, e * N + n0, j + L2_AHEAD, K, BN, 32 * NW, TILED)
             nj = gl.minimum(j + 1, NK * KC - 1)  # the last chunk reloads itself
             cw_n = gl.load(
                 cw_ptrs + weight_chunk_offset(nj, 16, TILED), cache_modifier=W_CACHE, eviction_policy=W_EVICT
@@ -218,6 +224,9 @@ def w4a4_mma_kernel(
     elif WEIGHTS_FIRST:  # every chunk's code loads of the step issued before the step's first decode
         gate = gl.full([BN, 4, 16], 0, gl.uint8, layout=cl) | (e >> 30).to(gl.uint8)  # 0, unknown to ptxas
         for j in range(NK):
+            if L2_AHEAD:
+                for ch in gl.static_range(KC):
+                    l2_prefetch_chunk(w_ptr, ws_ptr, e * N + n0, j * KC + ch + L2_AHEAD, K, BN, 32 * NW, TILED)
             cs = ()
             mix = gate
             for ch in gl.static_range(KC):
@@ -238,6 +247,9 @@ def w4a4_mma_kernel(
                 acc = mma_v2(decode_weights(c, s, BN, a_layout), _activations(x, BT, b_layout), acc)
     else:
         for j in range(NK):
+            if L2_AHEAD:
+                for ch in gl.static_range(KC):
+                    l2_prefetch_chunk(w_ptr, ws_ptr, e * N + n0, j * KC + ch + L2_AHEAD, K, BN, 32 * NW, TILED)
             for ch in gl.static_range(KC):  # unrolled: the step's loads are issued ahead of its decodes
                 cc = j * KC + ch
                 c = gl.load(

@@ -118,6 +118,7 @@ def grouped_w4a4_mma(
         WORDS_LAYOUT=words_layout(nw, rg),
         TILED=tiled,
         WEIGHTS_FIRST=cfg.weights_first,
+        L2_AHEAD=cfg.l2_prefetch,
         num_warps=nw,
         **pdl.launch_options(dev),
     )

@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from quads_megatron.kernels.gluon_device import (
     decode_weights,
+    l2_prefetch_chunk,
     tile_coords,
     tile_scales,
     wait_then_release,
@@ -299,6 +300,7 @@ def _ws_loader(
     STAGED: gl.constexpr,
     PDL: gl.constexpr,
     TILED: gl.constexpr,
+    L2_AHEAD: gl.constexpr = 0,
 ):
     """Worker partition (LW warps): for each of this CTA's tiles, cp.async each k-step's activation rows,
     code and scale bytes (KC 128-K chunks, one ring buffer each) into the next ring slot once the
@@ -309,7 +311,8 @@ def _ws_loader(
     are zero-filled without a read (else they copy row 0). STAGED: with a tile's first k-step it also
     copies the tile's S_dec_a (one fp32 per row, 0 past the expert) into sa_smem buffer (tile number) %
     SA_BUFS for the consumers' epilogue, so that its dependent loads (row -> token -> scale) are off
-    their path."""
+    their path. L2_AHEAD: before waiting for a slot, ask L2 for the weight chunks L2_AHEAD chunks past the
+    step's (within the tile; a tile's first L2_AHEAD with its first step): bytes in flight beyond the ring."""
     STAGES: gl.constexpr = ready.shape[0]
     KC: gl.constexpr = b_smem.shape[0] // STAGES
     b_copy: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])  # [BT, 128] fp16, 16 B each
@@ -351,8 +354,13 @@ def _ws_loader(
             sa_tok = gl.load(arows_ptr + sa_r, mask=sa_r < row_end, other=0)
         else:
             sa_tok = sa_r
+        for pc in gl.static_range(L2_AHEAD):
+            l2_prefetch_chunk(w_ptr, ws_ptr, row0, pc, K, BNW, 32 * LW, TILED)
         for j in range(K // (128 * KC)):
             slot = it % STAGES
+            if L2_AHEAD:
+                for ch in gl.static_range(KC):
+                    l2_prefetch_chunk(w_ptr, ws_ptr, row0, j * KC + ch + L2_AHEAD, K, BNW, 32 * LW, TILED)
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
             if STAGED and j == 0:  # lands with this k-step; the buffer's previous tile is done (see SA_BUFS)
                 async_copy.async_copy_global_to_shared(
@@ -543,6 +551,7 @@ def w4a4_wgmma_ws_kernel(
     STAGED: gl.constexpr,
     PDL: gl.constexpr,
     TILED: gl.constexpr = False,
+    L2_AHEAD: gl.constexpr = 0,
 ):
     """Warp-specialized variant of w4a4_wgmma_kernel (KC 128-K chunks per ring slot, 1-step runs): LW
     loader warps fill the ring by cp.async and per-slot mbarriers, the NW consumer warps only decode and
@@ -588,7 +597,8 @@ def w4a4_wgmma_ws_kernel(
                                 wsdec_ptr, y_ptr, y_desc, y_smem, N, P, wsdec_stride, K, HAS_AROWS, BT, 4, CODES_LAYOUT,
                                 OVERLAP, 128, NARROW, STAGED, PDL, BNW)),
                 (_ws_loader, (a_ptr, asdec_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, sa_smem,
-                              ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL, TILED)),
+                              ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL, TILED,
+                              L2_AHEAD)),
             ],
             [4, 4, LW],
             [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS],
@@ -603,7 +613,8 @@ def w4a4_wgmma_ws_kernel(
                                 wsdec_ptr, y_ptr, y_desc, y_smem, N, P, wsdec_stride, K, HAS_AROWS, BT, 4,
                                 CODES_LAYOUT, OVERLAP, 64, NARROW, STAGED, PDL, BNW)),
                 (_ws_loader, (a_ptr, asdec_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, sa_smem,
-                              ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL, TILED)),
+                              ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL, TILED,
+                              L2_AHEAD)),
             ],
             [4, LW],
             [CONSUMER_REGS, LOADER_REGS],
@@ -615,7 +626,8 @@ def w4a4_wgmma_ws_kernel(
                                 wsdec_ptr, y_ptr, y_desc, y_smem, N, P, wsdec_stride, K, HAS_AROWS, BT, NW,
                                 CODES_LAYOUT, OVERLAP, 0, NARROW, STAGED, PDL, BNW)),
                 (_ws_loader, (a_ptr, asdec_ptr, w_ptr, ws_ptr, arows_ptr, tmap_ptr, b_smem, w_smem, s_smem, sa_smem,
-                              ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL, TILED)),
+                              ready, empty, N, P, K, HAS_AROWS, A_I64, BT, BNW, LW, MASK_ROWS, STAGED, PDL, TILED,
+                              L2_AHEAD)),
             ],
             [LW],
             [LOADER_REGS],

@@ -219,11 +219,12 @@ def grouped_w4a4_wgmma(
     if loader_warps:
         staged = bool(cfg.ctas_per_sm)  # persistent CTAs stage the epilogue's scales
         consts.update(KC=chunks, A_I64=values.shape[0] * k >= 2**31, NARROW=narrow, STAGED=staged)
+        consts.update(L2_AHEAD=cfg.l2_prefetch)
         consts.update(ws_launch_consts(block_t, num_warps, chunks, loader_warps, maxnreg, split))
         tiles_ub = grid[0] * grid[1]  # row tiles are known on the device only: their upper bound
         p = min(tiles_ub, _sm_count(dev) * cfg.ctas_per_sm) if cfg.ctas_per_sm else tiles_ub
         tile = ("ws", k, a_rows is not None, block_t, stages, num_warps, loader_warps, maxnreg, out_dtype)
-        tile += (split, mask_rows, narrow, staged, tma_store, tiled)
+        tile += (split, mask_rows, narrow, staged, tma_store, tiled, cfg.l2_prefetch)
         y_desc = TensorDescriptor.from_tensor(y, [block_t, 64], y_box_layout(block_t)) if tma_store else None
         ws_args = (*args[:8], y_desc, *args[8:], p)
         _launch_verified(

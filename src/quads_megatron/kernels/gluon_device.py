@@ -1,6 +1,6 @@
 """Gluon device functions shared by the Gluon GEMMs (gemm_wgmma, gemm_mma): the programmatic-dependent-launch
 prologue, a tile's coordinates and epilogue scales, a weight row's address in either layout
-(weight_layout), and the FP4 weight decode into an MMA's register A operand.
+(weight_layout), an L2 prefetch of weight chunks, and the FP4 weight decode into an MMA's register A operand.
 
 The A fragment of wgmma (per warp) and of mma.sync m16n8k16 is the same: lane 4g + t holds rows g and g+8
 and k slots 2t, 2t+1, 2t+8, 2t+9 of each k16. A thread that holds 16 contiguous code bytes of rows g and
@@ -69,6 +69,38 @@ def weight_chunk_offset(c, CHUNK_UNITS: gl.constexpr, TILED: gl.constexpr):
     if TILED:
         return c * (16 * CHUNK_UNITS)
     return c * CHUNK_UNITS
+
+
+@gluon.jit
+def l2_prefetch_chunk(
+    w_ptr, ws_ptr, row0, c, K: gl.constexpr, ROWS: gl.constexpr, THREADS: gl.constexpr, TILED: gl.constexpr
+):
+    """Ask L2 for 128-K chunk c (clamped to the last) of weight rows row0 .. row0 + ROWS (row0 a multiple of 16)
+    by PTX prefetch.global.L2, spread over the THREADS threads calling it: tiled, each 16-row group's chunk is
+    one 1 KB block of codes (8 lines) and one 128-byte line of scales; row-major, 64 code bytes and 8 scale
+    bytes per row. Bytes in flight that hold no register or shared memory until their load."""
+    c = gl.minimum(c, K // 128 - 1)
+    row0 = row0.to(gl.int64)
+    th: gl.constexpr = gl.BlockedLayout([1], [32], [THREADS // 32], [0])
+    LINES: gl.constexpr = ROWS // 2 if TILED else ROWS  # 128-byte code lines (tiled) or rows
+    for rep in gl.static_range((LINES + THREADS - 1) // THREADS):
+        i = (gl.arange(0, THREADS, layout=th) + rep * THREADS) % LINES  # threads past LINES repeat a line
+        if TILED:
+            row = row0 + (i // 8) * 16
+            code = weight_row_base(row, K // 2, 64, True) + weight_chunk_offset(c, 64, True) + (i % 8) * 128
+            scale = weight_row_base(row, K // 16, 8, True) + weight_chunk_offset(c, 8, True)
+        else:
+            row = row0 + i
+            code = row * (K // 2) + c * 64
+            scale = row * (K // 16) + c * 8
+        gl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; prefetch.global.L2 [$2]; // $0",
+            "=r,l,l",
+            [w_ptr + code, ws_ptr + scale],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
 
 @gluon.jit

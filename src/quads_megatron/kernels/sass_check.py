@@ -210,7 +210,7 @@ def compile_wgmma_sm90(tile, k: int = 2048, pdl: bool = False, dump: str | None 
         overlap, unroll = host.ws_overlap(t.chunks, t.unroll), 1
         consts = dict(K=k, HAS_AROWS=True, BT=t.block_t, STAGES=t.stages, KC=t.chunks, NW=t.num_warps)
         consts.update(OVERLAP=overlap, MASK_ROWS=t.mask_rows, NARROW=t.narrow, A_I64=False, PDL=pdl, STAGED=staged)
-        consts.update(TILED=tiled)
+        consts.update(TILED=tiled, L2_AHEAD=t.l2_prefetch)
         consts.update(host.ws_launch_consts(t.block_t, t.num_warps, t.chunks, t.loader_warps, t.maxnreg, t.split))
         if not t.tma_store:
             consts["y_desc"] = None
@@ -254,6 +254,7 @@ def compile_wgmma_sm90(tile, k: int = 2048, pdl: bool = False, dump: str | None 
         "hgmma_a_operands": re.findall(r"HGMMA\.\S+ R\d+, (\S+), gdesc", sass),
         "hgmma_shape": sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass))),
         "wgmma_waits": re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass),
+        "l2_prefetches": sass.count("CCTL.E.PF2"),  # prefetch.global.L2 (the loader, l2_prefetch)
         "tma_stores": len(re.findall(r"\bUTMASTG\b", sass)),
         "register_hazards": wgmma_register_hazards(sass),
         "spills": len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\s", sass)),  # local-memory stores and loads
@@ -307,6 +308,7 @@ def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False, tiled: bool = False
     consts.update(
         TILED=tiled,
         WEIGHTS_FIRST=t.weights_first,
+        L2_AHEAD=t.l2_prefetch,
         CODES_LAYOUT=dev.codes_layout(t.num_warps, t.row_groups),
         X_LAYOUT=dev.activation_layout(t.num_warps, t.block_t),
         C16_LAYOUT=dev.codes16_layout(t.num_warps, t.row_groups),
@@ -332,6 +334,7 @@ def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False, tiled: bool = False
         "loop_loads": sorted(set(re.findall(r"\bLDG\.E(?:\.(\w+))?", "\n".join(loop)))),
         "loop_load_ops": sorted(set(re.findall(r"\bLDG\.E[.\w]*", "\n".join(loop)))),
         "loop_shared": sum(1 for ln in loop if re.search(r"\b(?:LDS|STS|LDSM|BAR)\b", ln)),
+        "loop_l2_prefetch": sum(1 for ln in loop if "CCTL.E.PF2" in ln),  # prefetch.global.L2
         "spills": sum(1 for ln in lines if re.search(r"\b(?:STL|LDL)(?:\.\w+)*\s", ln)),
         "regs": registers_per_thread(compiled.asm["cubin"]),
         "smem": compiled.metadata.shared,

@@ -82,8 +82,9 @@ class WgmmaConfig:
     maxnreg: the launch's register cap (None: ptxas decides); ctas_per_sm > 0: persistent CTAs, SMs *
     ctas_per_sm of them; split: one partition per consumer warpgroup; mask_rows: rows past an expert
     zero-filled, not read; narrow: tiles with at most block_t / 2 rows left run half-width wgmmas;
-    tma_store: full output tiles leave by TMA bulk stores. Rules that need the shape (N, K, the output
-    dtype) are checked at launch.
+    tma_store: full output tiles leave by TMA bulk stores; l2_prefetch (with loader warps): how many chunks
+    ahead of the step it fills the loader asks L2 for the weight bytes (PTX prefetch.global.L2; 0: none).
+    Rules that need the shape (N, K, the output dtype) are checked at launch.
     """
 
     block_t: int
@@ -98,10 +99,11 @@ class WgmmaConfig:
     mask_rows: bool = True
     narrow: bool = False
     tma_store: bool = False
+    l2_prefetch: int = 0
 
     def __post_init__(self) -> None:
         _check_ints(self, ("block_t", "num_warps", "stages", "chunks", "unroll", "loader_warps", "maxnreg"))
-        _check_ints(self, ("ctas_per_sm",))
+        _check_ints(self, ("ctas_per_sm", "l2_prefetch"))
         for name in ("split", "mask_rows", "narrow", "tma_store"):
             if not isinstance(getattr(self, name), bool):
                 raise KernelConfigError(f"WgmmaConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -125,6 +127,8 @@ class WgmmaConfig:
             bad = f"narrow={self.narrow} (with loader warps and block_t >= 32 only)"
         elif self.tma_store and not self.split:
             bad = f"tma_store={self.tma_store} (split consumers only)"
+        elif not 0 <= self.l2_prefetch <= MMA_L2_PREFETCH_MAX or (self.l2_prefetch and not lw):
+            bad = f"l2_prefetch={self.l2_prefetch} (0 .. {MMA_L2_PREFETCH_MAX} chunks, with loader warps)"
         if bad:
             raise KernelConfigError(f"bad wgmma tiles: {bad}")
 
@@ -138,7 +142,9 @@ class MmaConfig:
     pipeline); weight_loads: the cache hint of the weight codes' and scales' loads (read once): "default",
     "cg" (bypass L1) or "evict_first" (first out of L1), leaving L1 to the activations every warp re-reads;
     weights_first: every chunk's code loads of a k-step issued before its first decode (a run-time zero made
-    of all of them joins each chunk's codes, so ptxas cannot sink a load to its own chunk's decode)."""
+    of all of them joins each chunk's codes, so ptxas cannot sink a load to its own chunk's decode);
+    l2_prefetch: how many chunks ahead of the one loaded each warp asks L2 for its weight bytes (PTX
+    prefetch.global.L2: bytes in flight that hold no register; 0: none)."""
 
     block_t: int = 8
     num_warps: int = 4
@@ -147,9 +153,12 @@ class MmaConfig:
     prefetch: bool = False
     weight_loads: str = "default"
     weights_first: bool = False
+    l2_prefetch: int = 0
 
     def __post_init__(self) -> None:
-        _check_ints(self, ("block_t", "num_warps", "row_groups", "chunks"))
+        _check_ints(self, ("block_t", "num_warps", "row_groups", "chunks", "l2_prefetch"))
+        if not 0 <= self.l2_prefetch <= MMA_L2_PREFETCH_MAX:
+            raise KernelConfigError(f"MmaConfig.l2_prefetch={self.l2_prefetch}: 0 .. {MMA_L2_PREFETCH_MAX} chunks")
         for name in ("prefetch", "weights_first"):
             if not isinstance(getattr(self, name), bool):
                 raise KernelConfigError(f"MmaConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -175,6 +184,8 @@ class MmaConfig:
 #: 128-K chunks per k-step the decode-size GEMM can take (fit_tile: the largest dividing K's chunks; 3 of
 #: K = 768's 6 chunks spilled at 4 warps, Triton 3.6 sm_90); with weights_first 3 compiles clean (78 registers)
 MMA_CHUNKS = (1, 2, 4, 8)
+#: the farthest MmaConfig's and WgmmaConfig's l2_prefetch reach (a CTA's K of 2048 is 16 chunks)
+MMA_L2_PREFETCH_MAX = 16
 MMA_CHUNKS_WEIGHTS_FIRST = (1, 2, 3, 4, 8)
 
 
