@@ -33,7 +33,7 @@ from probe_wgmma_tiles import HIDDEN, INTER, expert_weights, fc1_rows  # noqa: E
 from tile_writer import CONFIGS, current_first, dumps_table, write_config  # noqa: E402
 
 FIELDS = ("block_t", "num_warps", "row_groups", "chunks", "prefetch", "weight_loads", "weights_first")
-SHOWN = (*FIELDS, "l2_prefetch")  # how a tile is printed: FIELDS, then the L2 prefetch distance (0: none)
+SHOWN = (*FIELDS, "l2_prefetch", "ctas_per_sm")  # how a tile is printed: FIELDS, L2 prefetch distance, persistence
 
 
 def candidates(rows: int) -> list[dict]:

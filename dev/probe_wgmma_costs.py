@@ -79,7 +79,7 @@ LOOKUP = "    return gl.load(tmap_ptr + pid * 4), gl.load(tmap_ptr + pid * 4 + 1
 FIXED = "    return pid % 128, (pid % 128) * 16, (pid % 128) * 16 + 16  # probe: 128 experts x 16 rows, no lookup\n"
 BOUND = "gl.load(tmap_ptr + 3) * n_tiles"
 B_LAYOUT = "gl.NVMMASharedLayout.get_default_for([BT, 128], gl.float16)"
-GRID = "_sm_count(dev) * cfg.ctas_per_sm) if cfg.ctas_per_sm else tiles_ub"
+GRID = "gemm_ctas(tiles_ub, dev, cfg.ctas_per_sm)"
 LOADER_REGS = "loader_regs = ws_loader_regs(block_t, loader_warps, chunks, ROWS_PER_WARPGROUP * num_warps // 4)"
 FIXED_TILES = [
     (FENCE + STEP, ""),
@@ -95,7 +95,7 @@ VARIANTS = {
     # ... and a grid of exactly those 1536 tiles (the host launches the row-tile bound: 768 more, empty)
     "loads only, no epilogue, fixed tiles, exact grid": [
         *FIXED_TILES,
-        (GRID, "_sm_count(dev) * cfg.ctas_per_sm) if cfg.ctas_per_sm else 128 * grid[0]"),
+        (GRID, "gemm_ctas(128 * grid[0], dev, cfg.ctas_per_sm)"),
     ],
     # ... and the load probe's loader register budget (dev/probe_load_paths.py: 88)
     "loads only, no epilogue, fixed tiles, loader regs 88": [*FIXED_TILES, (LOADER_REGS, "loader_regs = 88")],

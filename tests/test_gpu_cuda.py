@@ -464,14 +464,16 @@ def test_mma_gemm_matches_the_triton_gemm(layer):
                         assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item()), kw
                     same = mm.grouped_w4a4_mma(op.values, op.global_decode, offs, *tiled, dtype, a_rows, config=kw)
                     assert torch.equal(same[:rows].float(), got), ("tiled", kw)
-                # L2 prefetches ahead (one chunk, four, past the row's end; each K loop) change no bit
+                # L2 prefetches ahead (one chunk, four, past the row's end; each K loop) and persistent CTAs (one,
+                # or several tiles each) change no bit
                 for kw in (MmaConfig(chunks=2, weights_first=True), MmaConfig(chunks=4), MmaConfig(prefetch=True)):
                     for wts in (w, tiled):
                         y0 = mm.grouped_w4a4_mma(op.values, op.global_decode, offs, *wts, dtype, a_rows, config=kw)
-                        for l2 in (1, 4, 16):
-                            kl2 = dataclasses.replace(kw, l2_prefetch=l2)
-                            y = mm.grouped_w4a4_mma(op.values, op.global_decode, offs, *wts, dtype, a_rows, config=kl2)
-                            assert torch.equal(y, y0), (kl2, dtype)
+                        for change in (dict(l2_prefetch=1), dict(l2_prefetch=4), dict(l2_prefetch=16),
+                                       dict(ctas_per_sm=1), dict(ctas_per_sm=8, l2_prefetch=4)):  # fmt: skip
+                            kc = dataclasses.replace(kw, **change)
+                            y = mm.grouped_w4a4_mma(op.values, op.global_decode, offs, *wts, dtype, a_rows, config=kc)
+                            assert torch.equal(y, y0), (kc, dtype)
         for big in (0, 128, 1024, 8192):  # the tuned tiles of each row bucket
             kw = tile_configs.mma_config(big, k, "cuda") if big else None
             y = mm.grouped_w4a4_mma(pairs.values, pairs.global_decode, offs, *w, a_rows=tok, config=kw)[:rows]

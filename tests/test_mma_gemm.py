@@ -47,7 +47,7 @@ def test_weights_and_activations_meet_in_the_same_k_slot():
         assert set((k_w[slots] // 32).tolist()) == {t}
 
 
-# (block_t, num_warps, row_groups, chunks, prefetch[, weight_loads[, weights_first[, l2_prefetch]]])
+# (block_t, num_warps, row_groups, chunks, prefetch[, weight_loads[, weights_first[, l2_prefetch[, ctas_per_sm]]]])
 EXTRA_TILES = [(8, 4, 1, 1, False), (8, 8, 2, 2, False), (16, 4, 1, 2, False), (16, 8, 1, 1, False), (8, 4, 2, 1, True),
                (16, 4, 1, 1, True), (8, 4, 1, 4, False), (8, 4, 1, 8, False), (8, 4, 4, 2, False),
                (8, 8, 2, 4, False, "cg"), (8, 4, 2, 2, False, "evict_first"), (8, 4, 1, 4, False, "default", True),
@@ -56,7 +56,9 @@ EXTRA_TILES = [(8, 4, 1, 1, False), (8, 8, 2, 2, False), (16, 4, 1, 2, False), (
                (32, 4, 1, 4, False, "default", True), (32, 4, 2, 1, True), (32, 4, 2, 1, False, "evict_first"),
                (32, 4, 4, 1, False, "evict_first"), (8, 4, 1, 2, False, "default", True, 4),
                (8, 4, 1, 4, False, "evict_first", False, 8), (16, 4, 1, 1, True, "default", False, 2),
-               (8, 8, 2, 2, False, "default", False, 16)]  # fmt: skip
+               (8, 8, 2, 2, False, "default", False, 16), (8, 4, 1, 2, False, "default", True, 0, 8),
+               (16, 4, 1, 1, False, "evict_first", False, 0, 4),
+               (8, 4, 1, 2, True, "default", False, 4, 2)]  # fmt: skip
 
 
 def shipped_and_extra_tiles() -> list[MmaConfig]:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from quads_megatron.errors import KernelConfigError
-from quads_megatron.kernels import act_quant, gemm_triton, sass_check, tile_configs
+from quads_megatron.kernels import act_quant, gemm_triton, row_tiles, sass_check, tile_configs
 from quads_megatron.kernels.tile_configs import ActQuantConfig, WgmmaConfig
 from quads_megatron.rollout import rac_plan
 
@@ -386,7 +386,8 @@ def test_gemm_runs_the_warp_specialized_kernel_for_loader_warps(monkeypatch):
     del fake.launches[1:], fake.grids[1:], fake.args[1:], fake.consts[1:]
     # one CTA per tile, P = the grid: its upper bound (ceil(5 rows / 16) + 2 experts) * 1 N tile
     assert fake.grids[0] == (3,) and fake.args[0][-1] == 3
-    monkeypatch.setattr(wg, "_sm_count", lambda device: 1)  # persistent CTAs: SMs * ctas_per_sm, at most the tiles
+    # persistent CTAs: SMs * ctas_per_sm, at most the tiles
+    monkeypatch.setattr(row_tiles, "_sm_count", lambda device: 1)
     wg.grouped_w4a4_wgmma(a, s, offs, *w, config=dataclasses.replace(tile, ctas_per_sm=1))
     assert fake.grids[1] == (1,) and fake.args[1][-1] == 1
     for bad in (dict(num_warps=4, loader_warps=4), dict(num_warps=4, loader_warps=3), dict(num_warps=16)):
@@ -476,7 +477,7 @@ def test_three_consumer_warpgroups_split_192_weight_rows(monkeypatch):
     their register shares of the 128-register cap after the loader's 104; refused without split consumers
     or where N is not a multiple of 192."""
     fake, _, _, k = _fake_ws_launch(monkeypatch)
-    monkeypatch.setattr(wg, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(row_tiles, "_sm_count", lambda device: 132)
     w = _weights(2, 384, k)
     a, s, offs = torch.zeros(300, k, dtype=torch.float16), torch.ones(300), torch.tensor([100, 300])
     tile = dict(block_t=128, num_warps=12, stages=2, chunks=2, loader_warps=4, maxnreg=128, ctas_per_sm=1)

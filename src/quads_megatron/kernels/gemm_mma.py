@@ -119,7 +119,11 @@ def _word_op(a, b, OP: gl.constexpr):
 
 
 @gluon.jit
-def w4a4_mma_kernel(
+def _mma_tile(
+    e,
+    t0,
+    row_end,
+    n0,
     a_ptr,
     asdec_ptr,
     w_ptr,
@@ -130,6 +134,7 @@ def w4a4_mma_kernel(
     y_ptr,
     N,
     wsdec_stride,
+    P,
     K: gl.constexpr,
     HAS_AROWS: gl.constexpr,
     BT: gl.constexpr,
@@ -143,19 +148,14 @@ def w4a4_mma_kernel(
     WEIGHT_LOADS: gl.constexpr,
     WORDS_LAYOUT: gl.constexpr,
     PDL: gl.constexpr,
-    TILED: gl.constexpr = False,
-    WEIGHTS_FIRST: gl.constexpr = False,
-    L2_AHEAD: gl.constexpr = 0,
+    TILED: gl.constexpr,
+    WEIGHTS_FIRST: gl.constexpr,
+    L2_AHEAD: gl.constexpr,
 ):
-    wait_then_release(PDL)
+    """One CTA's tile: weight rows n0 .. n0 + 16 NW RG of expert e against its grouped rows t0 .. t0 + BT
+    (those past row_end masked), the whole K."""
     BN: gl.constexpr = 16 * NW * RG  # weight rows per CTA
     NK: gl.constexpr = K // (CHUNK * KC)  # k-steps of KC chunks
-    pid = gl.program_id(1)  # N tiles vary fastest: a row tile's activations are re-read from L2, not HBM
-    e, t0, row_end = tile_coords(tmap_ptr, pid)
-    if e < 0:
-        return
-    n0 = gl.program_id(0) * BN
-
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -269,3 +269,58 @@ def w4a4_mma_kernel(
     )
     y = ((acc * 16384.0) * sa[None, :] * sw).to(y_ptr.dtype.element_ty)
     gl.store(y_ptr + ocol.to(gl.int64)[None, :] * N + orow[:, None], y, mask=omask[None, :])
+
+
+@gluon.jit
+def w4a4_mma_kernel(
+    a_ptr,
+    asdec_ptr,
+    w_ptr,
+    ws_ptr,
+    wsdec_ptr,
+    tmap_ptr,
+    arows_ptr,
+    y_ptr,
+    N,
+    wsdec_stride,
+    P,
+    K: gl.constexpr,
+    HAS_AROWS: gl.constexpr,
+    BT: gl.constexpr,
+    NW: gl.constexpr,
+    RG: gl.constexpr,
+    KC: gl.constexpr,
+    CODES_LAYOUT: gl.constexpr,
+    X_LAYOUT: gl.constexpr,
+    C16_LAYOUT: gl.constexpr,
+    PREFETCH: gl.constexpr,
+    WEIGHT_LOADS: gl.constexpr,
+    WORDS_LAYOUT: gl.constexpr,
+    PDL: gl.constexpr,
+    TILED: gl.constexpr = False,
+    WEIGHTS_FIRST: gl.constexpr = False,
+    L2_AHEAD: gl.constexpr = 0,
+    PERSIST: gl.constexpr = False,
+):
+    """Tiles (row tile, N tile): program (N tile, row tile), N tiles fastest (a row tile's activations are
+    re-read from L2, not HBM); PERSIST: P CTAs (grid (P,)) loop over tiles t = program, program + P, ...
+    (N tile t % (N / BN) of row tile t // (N / BN)), no CTA for a row tile past the last."""
+    wait_then_release(PDL)
+    BN: gl.constexpr = 16 * NW * RG  # weight rows per CTA
+    if PERSIST:
+        n_tiles = N // BN
+        for t in range(gl.program_id(0), gl.load(tmap_ptr + 3) * n_tiles, P):
+            e, t0, row_end = tile_coords(tmap_ptr, t // n_tiles)
+            _mma_tile(
+                e, t0, row_end, (t % n_tiles) * BN, a_ptr, asdec_ptr, w_ptr, ws_ptr, wsdec_ptr, tmap_ptr, arows_ptr,
+                y_ptr, N, wsdec_stride, P, K, HAS_AROWS, BT, NW, RG, KC, CODES_LAYOUT, X_LAYOUT, C16_LAYOUT,
+                PREFETCH, WEIGHT_LOADS, WORDS_LAYOUT, PDL, TILED, WEIGHTS_FIRST, L2_AHEAD,
+            )  # fmt: skip
+    else:
+        e, t0, row_end = tile_coords(tmap_ptr, gl.program_id(1))
+        if e >= 0:
+            _mma_tile(
+                e, t0, row_end, gl.program_id(0) * BN, a_ptr, asdec_ptr, w_ptr, ws_ptr, wsdec_ptr, tmap_ptr,
+                arows_ptr, y_ptr, N, wsdec_stride, P, K, HAS_AROWS, BT, NW, RG, KC, CODES_LAYOUT, X_LAYOUT,
+                C16_LAYOUT, PREFETCH, WEIGHT_LOADS, WORDS_LAYOUT, PDL, TILED, WEIGHTS_FIRST, L2_AHEAD,
+            )  # fmt: skip

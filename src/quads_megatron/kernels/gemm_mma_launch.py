@@ -19,7 +19,7 @@ from quads_megatron.kernels.gemm_mma import (
     w4a4_mma_kernel,
     words_layout,
 )
-from quads_megatron.kernels.row_tiles import RowTiles, gemm_row_tiles, grouped_rows
+from quads_megatron.kernels.row_tiles import RowTiles, gemm_ctas, gemm_row_tiles, grouped_rows
 from quads_megatron.kernels.tile_configs import MmaConfig, mma_config
 from quads_megatron.kernels.weight_layout import weight_dims
 
@@ -93,6 +93,9 @@ def grouped_w4a4_mma(
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
     nw, rg = cfg.num_warps, cfg.row_groups
     grid = (n // (16 * nw * rg), tiles.table.shape[0])  # row tiles: an upper bound
+    p = gemm_ctas(grid[0] * grid[1], dev, cfg.ctas_per_sm)
+    if cfg.ctas_per_sm:  # persistent CTAs over the live tiles
+        grid = (p,)
     w4a4_mma_kernel[grid](
         values,
         global_decode.reshape(-1).float(),
@@ -104,6 +107,7 @@ def grouped_w4a4_mma(
         y,
         n,
         w_sdec.stride(0),
+        p,
         K=k,
         HAS_AROWS=a_rows is not None,
         BT=cfg.block_t,
@@ -119,6 +123,7 @@ def grouped_w4a4_mma(
         TILED=tiled,
         WEIGHTS_FIRST=cfg.weights_first,
         L2_AHEAD=cfg.l2_prefetch,
+        PERSIST=cfg.ctas_per_sm > 0,
         num_warps=nw,
         **pdl.launch_options(dev),
     )

@@ -24,7 +24,7 @@ from quads_megatron.kernels.gemm_wgmma import (
     w4a4_wgmma_ws_kernel,
     y_box_layout,
 )
-from quads_megatron.kernels.row_tiles import RowTiles, gemm_row_tiles, grouped_rows
+from quads_megatron.kernels.row_tiles import RowTiles, gemm_ctas, gemm_row_tiles, grouped_rows
 from quads_megatron.kernels.sass_check import disassemble, wgmma_register_hazards
 from quads_megatron.kernels.tile_configs import WgmmaConfig, wgmma_config
 from quads_megatron.kernels.weight_layout import weight_dims
@@ -46,11 +46,6 @@ def operand_permutation(k: int, device: torch.device | str = "cpu") -> torch.Ten
     inv = torch.empty(CHUNK, dtype=torch.int64)
     inv[logical] = p
     return (torch.arange(0, k, CHUNK)[:, None] + inv[None, :]).reshape(-1).to(device)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
@@ -222,7 +217,7 @@ def grouped_w4a4_wgmma(
         consts.update(L2_AHEAD=cfg.l2_prefetch)
         consts.update(ws_launch_consts(block_t, num_warps, chunks, loader_warps, maxnreg, split))
         tiles_ub = grid[0] * grid[1]  # row tiles are known on the device only: their upper bound
-        p = min(tiles_ub, _sm_count(dev) * cfg.ctas_per_sm) if cfg.ctas_per_sm else tiles_ub
+        p = gemm_ctas(tiles_ub, dev, cfg.ctas_per_sm)
         tile = ("ws", k, a_rows is not None, block_t, stages, num_warps, loader_warps, maxnreg, out_dtype)
         tile += (split, mask_rows, narrow, staged, tma_store, tiled, cfg.l2_prefetch)
         y_desc = TensorDescriptor.from_tensor(y, [block_t, 64], y_box_layout(block_t)) if tma_store else None

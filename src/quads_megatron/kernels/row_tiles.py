@@ -10,6 +10,7 @@ the GEMMs over the same rows (an MoE block's fc1 and fc2).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,17 @@ def gemm_row_tiles(tiles: RowTiles | None, offs: torch.Tensor, block_rows: int, 
         return row_tiles(offs, block_rows, rows)
     tiles.check(rows, block_rows, offs.numel())
     return tiles
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def gemm_ctas(tiles_bound: int, device: torch.device, ctas_per_sm: int) -> int:
+    """CTAs a grouped GEMM launches over at most tiles_bound tiles (their number is known on the device only):
+    one per tile, or (ctas_per_sm > 0) persistent ones, at most SMs * ctas_per_sm, looping over the tiles."""
+    return min(tiles_bound, _sm_count(device) * ctas_per_sm) if ctas_per_sm else tiles_bound
 
 
 def grouped_rows(

@@ -184,6 +184,8 @@ _SIGNATURE = {
     "N": "i32",
     "wsdec_stride": "i32",
 }
+# the decode-size GEMM's: the grid P last (persistent CTAs)
+_MMA_SIGNATURE = {**_SIGNATURE, "P": "i32"}
 # the warp-specialized kernel's: y_desc after y_ptr (None unless TMA stores), the grid P last (persistent CTAs)
 _WS_SIGNATURE = {**{k: v for k, v in _SIGNATURE.items() if k not in ("N", "wsdec_stride")}, "y_desc": "constexpr"}
 _WS_SIGNATURE.update(N="i32", wsdec_stride="i32", P="i32")
@@ -309,6 +311,7 @@ def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False, tiled: bool = False
         TILED=tiled,
         WEIGHTS_FIRST=t.weights_first,
         L2_AHEAD=t.l2_prefetch,
+        PERSIST=t.ctas_per_sm > 0,
         CODES_LAYOUT=dev.codes_layout(t.num_warps, t.row_groups),
         X_LAYOUT=dev.activation_layout(t.num_warps, t.block_t),
         C16_LAYOUT=dev.codes16_layout(t.num_warps, t.row_groups),
@@ -316,7 +319,7 @@ def compile_mma_sm90(tile, k: int = 2048, pdl: bool = False, tiled: bool = False
         WEIGHT_LOADS=t.weight_loads,
         WORDS_LAYOUT=dev.words_layout(t.num_warps, t.row_groups),
     )
-    signature = {**_SIGNATURE, **dict.fromkeys(consts, "constexpr")}
+    signature = {**_MMA_SIGNATURE, **dict.fromkeys(consts, "constexpr")}
     aligned = [i for i, name in enumerate(signature) if name.endswith("_ptr") or name == "N"]
     src = GluonASTSource(
         fn=dev.w4a4_mma_kernel,

@@ -144,7 +144,8 @@ class MmaConfig:
     weights_first: every chunk's code loads of a k-step issued before its first decode (a run-time zero made
     of all of them joins each chunk's codes, so ptxas cannot sink a load to its own chunk's decode);
     l2_prefetch: how many chunks ahead of the one loaded each warp asks L2 for its weight bytes (PTX
-    prefetch.global.L2: bytes in flight that hold no register; 0: none)."""
+    prefetch.global.L2: bytes in flight that hold no register; 0: none); ctas_per_sm > 0: persistent CTAs, SMs *
+    ctas_per_sm of them looping over the tiles (none for row tiles past the last; 0: one CTA per tile)."""
 
     block_t: int = 8
     num_warps: int = 4
@@ -154,9 +155,12 @@ class MmaConfig:
     weight_loads: str = "default"
     weights_first: bool = False
     l2_prefetch: int = 0
+    ctas_per_sm: int = 0
 
     def __post_init__(self) -> None:
-        _check_ints(self, ("block_t", "num_warps", "row_groups", "chunks", "l2_prefetch"))
+        _check_ints(self, ("block_t", "num_warps", "row_groups", "chunks", "l2_prefetch", "ctas_per_sm"))
+        if not 0 <= self.ctas_per_sm <= 32:
+            raise KernelConfigError(f"MmaConfig.ctas_per_sm={self.ctas_per_sm}: 0 (a CTA per tile) .. 32")
         if not 0 <= self.l2_prefetch <= MMA_L2_PREFETCH_MAX:
             raise KernelConfigError(f"MmaConfig.l2_prefetch={self.l2_prefetch}: 0 .. {MMA_L2_PREFETCH_MAX} chunks")
         for name in ("prefetch", "weights_first"):
