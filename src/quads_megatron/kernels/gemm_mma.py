@@ -13,7 +13,9 @@ the next chunk before decoding this one (a register pipeline, the codes carried 
 loop-carried bytes are one register each); weights_first tiles issue every chunk's code loads of a step
 before its first decode (ptxas otherwise keeps about one chunk ahead). The weights may be row-major or tiled
 (weight_layout.tile_weights: each 16-row group's chunk one contiguous block). Every CTA reads its tile
-from a row-tile table (row_tiles.RowTiles).
+from a row-tile table (row_tiles.RowTiles); persistent CTAs (PERSIST) loop over the live tiles instead of one
+CTA per possible tile. L2_AHEAD: each K loop asks L2 for the weight chunks that many ahead (a persistent
+CTA's run on into its next tile's), bytes in flight that hold no register.
 
 Why: at decode an expert has 1-8 rows, so the GEMM is a stream of FP4 bytes through the decode. This
 kernel issues 2.3-2.7 instructions per weight against 3.6 for the Triton and Gluon wgmma GEMMs; on the
@@ -119,11 +121,23 @@ def _word_op(a, b, OP: gl.constexpr):
 
 
 @gluon.jit
+def _l2_ahead(w_ptr, ws_ptr, row0, next_row0, c, K: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr,
+              TILED: gl.constexpr):  # fmt: skip
+    """l2_prefetch_chunk of chunk c of this tile's weight rows (row0 ..), or, where c runs past the row's last
+    chunk and a next tile exists (next_row0 >= 0: a persistent CTA's next tile), chunk c - K / 128 of the next
+    tile's rows: the stream of prefetches runs on from one tile into the next."""
+    past = (c >= K // CHUNK) & (next_row0 >= 0)
+    row = gl.where(past, next_row0, row0)
+    l2_prefetch_chunk(w_ptr, ws_ptr, row, gl.where(past, c - K // CHUNK, c), K, BN, 32 * NW, TILED)
+
+
+@gluon.jit
 def _mma_tile(
     e,
     t0,
     row_end,
     n0,
+    next_row0,
     a_ptr,
     asdec_ptr,
     w_ptr,
@@ -153,7 +167,8 @@ def _mma_tile(
     L2_AHEAD: gl.constexpr,
 ):
     """One CTA's tile: weight rows n0 .. n0 + 16 NW RG of expert e against its grouped rows t0 .. t0 + BT
-    (those past row_end masked), the whole K."""
+    (those past row_end masked), the whole K. next_row0: the first weight row (e * N + n0) of the CTA's next
+    tile, -1 for none, where L2 prefetches past this tile's last chunk go."""
     BN: gl.constexpr = 16 * NW * RG  # weight rows per CTA
     NK: gl.constexpr = K // (CHUNK * KC)  # k-steps of KC chunks
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -208,7 +223,7 @@ def _mma_tile(
         x = gl.load(x_ptrs)
         for j in range(NK * KC):
             if L2_AHEAD:
-                l2_prefetch_chunk(w_ptr, ws_ptr, e * N + n0, j + L2_AHEAD, K, BN, 32 * NW, TILED)
+                _l2_ahead(w_ptr, ws_ptr, e * N + n0, next_row0, j + L2_AHEAD, K, BN, NW, TILED)
             nj = gl.minimum(j + 1, NK * KC - 1)  # the last chunk reloads itself
             cw_n = gl.load(
                 cw_ptrs + weight_chunk_offset(nj, 16, TILED), cache_modifier=W_CACHE, eviction_policy=W_EVICT
@@ -226,7 +241,7 @@ def _mma_tile(
         for j in range(NK):
             if L2_AHEAD:
                 for ch in gl.static_range(KC):
-                    l2_prefetch_chunk(w_ptr, ws_ptr, e * N + n0, j * KC + ch + L2_AHEAD, K, BN, 32 * NW, TILED)
+                    _l2_ahead(w_ptr, ws_ptr, e * N + n0, next_row0, j * KC + ch + L2_AHEAD, K, BN, NW, TILED)
             cs = ()
             mix = gate
             for ch in gl.static_range(KC):
@@ -249,7 +264,7 @@ def _mma_tile(
         for j in range(NK):
             if L2_AHEAD:
                 for ch in gl.static_range(KC):
-                    l2_prefetch_chunk(w_ptr, ws_ptr, e * N + n0, j * KC + ch + L2_AHEAD, K, BN, 32 * NW, TILED)
+                    _l2_ahead(w_ptr, ws_ptr, e * N + n0, next_row0, j * KC + ch + L2_AHEAD, K, BN, NW, TILED)
             for ch in gl.static_range(KC):  # unrolled: the step's loads are issued ahead of its decodes
                 cc = j * KC + ch
                 c = gl.load(
@@ -309,18 +324,24 @@ def w4a4_mma_kernel(
     BN: gl.constexpr = 16 * NW * RG  # weight rows per CTA
     if PERSIST:
         n_tiles = N // BN
-        for t in range(gl.program_id(0), gl.load(tmap_ptr + 3) * n_tiles, P):
+        limit = gl.load(tmap_ptr + 3) * n_tiles
+        for t in range(gl.program_id(0), limit, P):
             e, t0, row_end = tile_coords(tmap_ptr, t // n_tiles)
+            next_row0 = -1
+            if L2_AHEAD:  # the next tile's rows, for the prefetches past this one's last chunk
+                nt = t + P
+                ne = gl.load(tmap_ptr + (nt // n_tiles) * 4, mask=nt < limit, other=-1)
+                next_row0 = gl.where(ne >= 0, ne * N + (nt % n_tiles) * BN, -1)
             _mma_tile(
-                e, t0, row_end, (t % n_tiles) * BN, a_ptr, asdec_ptr, w_ptr, ws_ptr, wsdec_ptr, tmap_ptr, arows_ptr,
-                y_ptr, N, wsdec_stride, P, K, HAS_AROWS, BT, NW, RG, KC, CODES_LAYOUT, X_LAYOUT, C16_LAYOUT,
-                PREFETCH, WEIGHT_LOADS, WORDS_LAYOUT, PDL, TILED, WEIGHTS_FIRST, L2_AHEAD,
+                e, t0, row_end, (t % n_tiles) * BN, next_row0, a_ptr, asdec_ptr, w_ptr, ws_ptr, wsdec_ptr, tmap_ptr,
+                arows_ptr, y_ptr, N, wsdec_stride, P, K, HAS_AROWS, BT, NW, RG, KC, CODES_LAYOUT, X_LAYOUT,
+                C16_LAYOUT, PREFETCH, WEIGHT_LOADS, WORDS_LAYOUT, PDL, TILED, WEIGHTS_FIRST, L2_AHEAD,
             )  # fmt: skip
     else:
         e, t0, row_end = tile_coords(tmap_ptr, gl.program_id(1))
         if e >= 0:
             _mma_tile(
-                e, t0, row_end, gl.program_id(0) * BN, a_ptr, asdec_ptr, w_ptr, ws_ptr, wsdec_ptr, tmap_ptr,
+                e, t0, row_end, gl.program_id(0) * BN, -1, a_ptr, asdec_ptr, w_ptr, ws_ptr, wsdec_ptr, tmap_ptr,
                 arows_ptr, y_ptr, N, wsdec_stride, P, K, HAS_AROWS, BT, NW, RG, KC, CODES_LAYOUT, X_LAYOUT,
                 C16_LAYOUT, PREFETCH, WEIGHT_LOADS, WORDS_LAYOUT, PDL, TILED, WEIGHTS_FIRST, L2_AHEAD,
             )  # fmt: skip
