@@ -42,12 +42,23 @@ def candidates(rows: int) -> list[dict]:
     weights' cache hint on the smaller ones, one register-pipelined tile, and 2-8 chunks with every code load
     of the step issued first (weights_first; 3 chunks too, fc2's K = 768 in two steps). 32 token rows: an
     expert's weights read once where it has 17-32 rows (256 tokens: 16 a hit expert on average); 2-4 row groups
-    there cut the activation bytes every warp reads per weight decoded (each warp holds all token rows)."""
+    there cut the activation bytes every warp reads per weight decoded (each warp holds all token rows). 8- and
+    16-token tiles also with L2 prefetches and persistent CTAs (_streaming)."""
     first = [(4, 2), (4, 3), (4, 4), (4, 8), (8, 3), (8, 4)]
     if rows <= 512:
-        return _candidates(8, [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)], first)
-    out = _candidates(16, [(1, 1), (1, 2), (2, 2), (1, 4)], first)
+        return _candidates(8, [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)], first) + _streaming(8)
+    out = _candidates(16, [(1, 1), (1, 2), (2, 2), (1, 4)], first) + _streaming(16)
     return out + _candidates(32, [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (1, 4)], [(4, 2), (4, 4), (8, 2)])
+
+
+def _streaming(bt: int) -> list[dict]:
+    """block_t = bt's usual fastest tiles (H100 and H200 sweeps of 2026-12-06/07) with L2 prefetches 4 chunks ahead,
+    persistent CTAs (6 an SM), and both (the prefetches then run on into each CTA's next tile)."""
+    base = [dict(chunks=2, weights_first=True), dict(chunks=4, weight_loads="evict_first")] if bt == 8 else [
+        dict(chunks=1, weight_loads="evict_first")
+    ]  # fmt: skip
+    extra = [dict(l2_prefetch=4), dict(ctas_per_sm=6), dict(l2_prefetch=4, ctas_per_sm=6)]
+    return [dataclasses.asdict(MmaConfig(block_t=bt, **b, **x)) for b in base for x in extra]
 
 
 def _candidates(bt: int, shapes: list[tuple[int, int]], first: list[tuple[int, int]]) -> list[dict]:
@@ -58,7 +69,7 @@ def _candidates(bt: int, shapes: list[tuple[int, int]], first: list[tuple[int, i
     out.append((bt, 4, 2, 1, True, "default"))
     out = [(*t, False) for t in out]
     out += [(bt, nw, 1, kc, False, "default", True) for nw, kc in first]
-    return [dict(zip(FIELDS, t, strict=True)) for t in out]
+    return [dataclasses.asdict(MmaConfig(**dict(zip(FIELDS, t, strict=True)))) for t in out]  # every field
 
 
 def bench(fn) -> float:
