@@ -143,12 +143,10 @@ def _mma_tile(
     w_ptr,
     ws_ptr,
     wsdec_ptr,
-    tmap_ptr,
     arows_ptr,
     y_ptr,
     N,
     wsdec_stride,
-    P,
     K: gl.constexpr,
     HAS_AROWS: gl.constexpr,
     BT: gl.constexpr,
@@ -161,7 +159,6 @@ def _mma_tile(
     PREFETCH: gl.constexpr,
     WEIGHT_LOADS: gl.constexpr,
     WORDS_LAYOUT: gl.constexpr,
-    PDL: gl.constexpr,
     TILED: gl.constexpr,
     WEIGHTS_FIRST: gl.constexpr,
     L2_AHEAD: gl.constexpr,
@@ -333,15 +330,15 @@ def w4a4_mma_kernel(
                 ne = gl.load(tmap_ptr + (nt // n_tiles) * 4, mask=nt < limit, other=-1)
                 next_row0 = gl.where(ne >= 0, ne * N + (nt % n_tiles) * BN, -1)
             _mma_tile(
-                e, t0, row_end, (t % n_tiles) * BN, next_row0, a_ptr, asdec_ptr, w_ptr, ws_ptr, wsdec_ptr, tmap_ptr,
-                arows_ptr, y_ptr, N, wsdec_stride, P, K, HAS_AROWS, BT, NW, RG, KC, CODES_LAYOUT, X_LAYOUT,
-                C16_LAYOUT, PREFETCH, WEIGHT_LOADS, WORDS_LAYOUT, PDL, TILED, WEIGHTS_FIRST, L2_AHEAD,
+                e, t0, row_end, (t % n_tiles) * BN, next_row0, a_ptr, asdec_ptr, w_ptr, ws_ptr, wsdec_ptr,
+                arows_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT, NW, RG, KC, CODES_LAYOUT, X_LAYOUT,
+                C16_LAYOUT, PREFETCH, WEIGHT_LOADS, WORDS_LAYOUT, TILED, WEIGHTS_FIRST, L2_AHEAD,
             )  # fmt: skip
     else:
         e, t0, row_end = tile_coords(tmap_ptr, gl.program_id(1))
         if e >= 0:
             _mma_tile(
-                e, t0, row_end, gl.program_id(0) * BN, -1, a_ptr, asdec_ptr, w_ptr, ws_ptr, wsdec_ptr, tmap_ptr,
-                arows_ptr, y_ptr, N, wsdec_stride, P, K, HAS_AROWS, BT, NW, RG, KC, CODES_LAYOUT, X_LAYOUT,
-                C16_LAYOUT, PREFETCH, WEIGHT_LOADS, WORDS_LAYOUT, PDL, TILED, WEIGHTS_FIRST, L2_AHEAD,
+                e, t0, row_end, gl.program_id(0) * BN, -1, a_ptr, asdec_ptr, w_ptr, ws_ptr, wsdec_ptr,
+                arows_ptr, y_ptr, N, wsdec_stride, K, HAS_AROWS, BT, NW, RG, KC, CODES_LAYOUT, X_LAYOUT,
+                C16_LAYOUT, PREFETCH, WEIGHT_LOADS, WORDS_LAYOUT, TILED, WEIGHTS_FIRST, L2_AHEAD,
             )  # fmt: skip
