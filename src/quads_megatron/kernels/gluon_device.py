@@ -17,6 +17,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from quads_megatron.kernels.fp4_device import PTX_HI, PTX_LO
+from quads_megatron.kernels.weight_layout import CHUNK_K
+
+_CHUNK = gl.constexpr(CHUNK_K)  # K elements per weight chunk
 
 #: [n, t1, t0, w1, w0, q1, q0, s] -> [n, w1, w0, s, q1, t1, t0, q0]: the decoded weights' K order
 DECODE_PERM = gl.constexpr((0, 3, 4, 7, 5, 1, 2, 6))
@@ -79,7 +82,7 @@ def l2_prefetch_chunk(
     by PTX prefetch.global.L2, spread over the THREADS threads calling it: tiled, each 16-row group's chunk is
     one 1 KB block of codes (8 lines) and one 128-byte line of scales; row-major, 64 code bytes and 8 scale
     bytes per row. Bytes in flight that hold no register or shared memory until their load."""
-    c = gl.minimum(c, K // 128 - 1)
+    c = gl.minimum(c, K // _CHUNK - 1)
     row0 = row0.to(gl.int64)
     th: gl.constexpr = gl.BlockedLayout([1], [32], [THREADS // 32], [0])
     LINES: gl.constexpr = ROWS // 2 if TILED else ROWS  # 128-byte code lines (tiled) or rows
