@@ -60,8 +60,9 @@ def main() -> None:
     ap.add_argument("--rac", choices=("none", "static", "dynamic"), default="none")
     ap.add_argument("--plain", action="store_true", help="fc1's input: no SiLU(gate) * up")
     args = ap.parse_args()
-    p = 1 << (args.k.bit_length() - 1)
-    pieces = [("one padded tile", 0)] + ([("two pieces", p)] if p != args.k and args.rac == "none" else [])
+    # the two pieces where the launch holds the row so (act_quant.row_split: by default only without a residual)
+    p = act_quant.row_split(args.k, triton.next_power_of_2(args.k), args.rac == "dynamic", "wgmma", args.rac != "none")
+    pieces = [("one padded tile", 0)] + ([("two pieces", p)] if p else [])
     for name, split_k in pieces:
         r = compile_operand(args.k, args.warps, split_k, args.rac, not args.plain)
         print(

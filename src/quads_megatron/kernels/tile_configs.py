@@ -127,8 +127,8 @@ class WgmmaConfig:
             bad = f"narrow={self.narrow} (with loader warps and block_t >= 32 only)"
         elif self.tma_store and not self.split:
             bad = f"tma_store={self.tma_store} (split consumers only)"
-        elif not 0 <= self.l2_prefetch <= MMA_L2_PREFETCH_MAX or (self.l2_prefetch and not lw):
-            bad = f"l2_prefetch={self.l2_prefetch} (0 .. {MMA_L2_PREFETCH_MAX} chunks, with loader warps)"
+        elif not 0 <= self.l2_prefetch <= L2_PREFETCH_MAX or (self.l2_prefetch and not lw):
+            bad = f"l2_prefetch={self.l2_prefetch} (0 .. {L2_PREFETCH_MAX} chunks, with loader warps)"
         if bad:
             raise KernelConfigError(f"bad wgmma tiles: {bad}")
 
@@ -161,8 +161,8 @@ class MmaConfig:
         _check_ints(self, ("block_t", "num_warps", "row_groups", "chunks", "l2_prefetch", "ctas_per_sm"))
         if not 0 <= self.ctas_per_sm <= 32:
             raise KernelConfigError(f"MmaConfig.ctas_per_sm={self.ctas_per_sm}: 0 (a CTA per tile) .. 32")
-        if not 0 <= self.l2_prefetch <= MMA_L2_PREFETCH_MAX:
-            raise KernelConfigError(f"MmaConfig.l2_prefetch={self.l2_prefetch}: 0 .. {MMA_L2_PREFETCH_MAX} chunks")
+        if not 0 <= self.l2_prefetch <= L2_PREFETCH_MAX:
+            raise KernelConfigError(f"MmaConfig.l2_prefetch={self.l2_prefetch}: 0 .. {L2_PREFETCH_MAX} chunks")
         for name in ("prefetch", "weights_first"):
             if not isinstance(getattr(self, name), bool):
                 raise KernelConfigError(f"MmaConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -188,9 +188,9 @@ class MmaConfig:
 #: 128-K chunks per k-step the decode-size GEMM can take (fit_tile: the largest dividing K's chunks; 3 of
 #: K = 768's 6 chunks spilled at 4 warps, Triton 3.6 sm_90); with weights_first 3 compiles clean (78 registers)
 MMA_CHUNKS = (1, 2, 4, 8)
-#: the farthest MmaConfig's and WgmmaConfig's l2_prefetch reach (a CTA's K of 2048 is 16 chunks)
-MMA_L2_PREFETCH_MAX = 16
 MMA_CHUNKS_WEIGHTS_FIRST = (1, 2, 3, 4, 8)
+#: the farthest MmaConfig's and WgmmaConfig's l2_prefetch reach (a CTA's K of 2048 is 16 chunks)
+L2_PREFETCH_MAX = 16
 
 
 @dataclass(frozen=True)
