@@ -2,13 +2,14 @@
 over rows per program and warps, against its HBM floor (input in + fp16 operand out at 3.3 TB/s).
 
 python dev/probe_act_quant_tiles.py [--rows 128,2048,16384,131072] [--order auto|pairs|wgmma]
-    [--inputs fc1|fc2|both] [--write-config]
+    [--inputs fc1|fc2|both] [--block-m 1,2,4] [--warps 1,2,4,8] [--write-config]
 --inputs: fc1's quantization ([rows, 2048]), fc2's (input [rows, 2I] = [gate | up], I = 768, SiLU(gate) *
 up quantized), or both in one sweep. --order auto: the order moe_w4a4 uses at that size ("wgmma" above
 1024 rows, where the Gluon GEMM runs; "pairs" below). (CUDA GPU; CUDA-graph replay timings)
-Each line also times the tuned tile with the row held in two pieces where K allows (act_quant.row_split,
-QUADS_ACT_SPLIT_ROW=1: fc2's K = 768 = 512 + 256), same bits.
---write-config: the winning (block_m, num_warps) of each rule the probed points fall in into
+Where K allows it (act_quant.row_split: fc2's K = 768 = 512 + 256) every tile is timed with the row as one padded
+tile and as two pieces (split_row false / true, same bits); where it does not (fc1), split_row changes nothing and
+the one timing stands for both.
+--write-config: the winning (block_m, num_warps, split_row) of each rule the probed points fall in into
 configs/act_quant.json under this GPU's name (dev/tile_writer.py). Rules that do not state `gated` hold
 for both inputs: sweep --inputs both, so that one writer sees all of their points.
 """
@@ -38,8 +39,12 @@ def main() -> None:
     ap.add_argument("--rows", default="128,2048,16384,131072")
     ap.add_argument("--order", default="auto", choices=["auto", "pairs", "wgmma"])
     ap.add_argument("--inputs", default="both", choices=["fc1", "fc2", "both"])
+    ap.add_argument("--block-m", default="1,2,4", help="rows per program to sweep")
+    ap.add_argument("--warps", default="1,2,4,8", help="warps per program to sweep")
     ap.add_argument("--write-config", action="store_true", help="write the winners into configs/act_quant.json")
     args = ap.parse_args()
+    block_ms = [int(v) for v in args.block_m.split(",")]
+    warps = [int(v) for v in args.warps.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
     runs = []  # (rule, (gated, rows, mode), tile, us) for --write-config
     for gated in {"fc1": (False,), "fc2": (True,), "both": (False, True)}[args.inputs]:
@@ -64,26 +69,25 @@ def main() -> None:
                     )
                 )
 
+            # split_row matters only where K is a power of two + a smaller one (row_split, whole row held)
+            splits = (False, True) if act_quant.row_split(k, 1 << (k - 1).bit_length(), order, want=True) else (None,)
             for mode in modes:
-                rule = tile_configs.match_rule("act_quant", "cuda", rows=rows, rac=mode != "plain", gated=gated)[0]
+                facts = dict(rows=rows, rac=mode != "plain", dynamic=mode == "dyn50", gated=gated)
+                rule = tile_configs.match_rule("act_quant", "cuda", **facts)[0]
                 res = []
-                for bm, nw in itertools.product((1, 2, 4), (1, 2, 4, 8)):
+                for bm, nw, split in itertools.product(block_ms, warps, splits):
                     try:
-                        us = run(mode, ActQuantConfig(block_m=bm, num_warps=nw))
+                        us = run(mode, ActQuantConfig(block_m=bm, num_warps=nw, split_row=split))
                     except Exception:  # a tile that does not fit: left out
                         continue
-                    res.append((us, bm, nw))
-                    runs.append((rule, (gated, rows, mode), {"block_m": bm, "num_warps": nw}, us))
-                best = sorted(res)[:3]
-                top = [(f"bm{b} w{w}", round(u, 1)) for u, b, w in best]
-                os.environ["QUADS_ACT_SPLIT_ROW"] = "1"  # the tuned tile with the row in two pieces (A/B)
-                split = act_quant.row_split(k, tile_configs.act_quant_config(rows, k, False, False, gated).block_k,
-                                            mode == "dyn50", order)  # fmt: skip
-                two = f"; two pieces {run(mode):.1f} us" if split else ""
-                os.environ["QUADS_ACT_SPLIT_ROW"] = "0"
+                    res.append((us, bm, nw, split))
+                    for s in (False, True) if split is None else (split,):  # no split here: one timing for both
+                        runs.append((rule, (gated, rows, mode), {"block_m": bm, "num_warps": nw, "split_row": s}, us))
+                best = sorted(res, key=lambda r: r[0])[:3]
+                top = [(f"bm{b} w{w}" + (" split" if sp else ""), round(u, 1)) for u, b, w, sp in best]
                 print(
                     f"{'fc2' if gated else 'fc1'} rows {rows} {mode} ({order}): floor {floor:.1f} us; "
-                    f"tuned {run(mode):.1f} us{two}; best {top}",
+                    f"tuned {run(mode):.1f} us; best {top}",
                     flush=True,
                 )
     if args.write_config:

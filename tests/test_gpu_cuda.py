@@ -6,7 +6,7 @@ test_megatron_patch / test_moe_w4a4 cover the same contracts through the CPU pat
 * the rollout MoE block (the SGLang method's forward) at Qwen3-30B-A3B expert sizes: Triton path
   vs reference, strided S_dec views, and CUDA-graph capture (no host sync on the serving path);
 * the block's fused pieces on the GPU: token-indexed fc1 rows, gated fc2 quantization (also with the row
-  in two pieces, QUADS_ACT_SPLIT_ROW=1), combine, the routing kernels (one launch, chunked);
+  in two pieces, with dynamic RAC too), combine, the routing kernels (one launch, chunked);
 * the Gluon Hopper GEMM (kernels/gemm_wgmma.py: the one-partition kernel and the warp-specialized one)
   against the Triton GEMM on every tile it may pick, and the whole block on it (moe_w4a4's default on
   an H200);
@@ -219,22 +219,42 @@ def test_fused_block_pieces_on_gpu():
 
 @pytest.mark.parametrize("order", ["pairs", "wgmma"])
 def test_a_row_in_two_pieces_on_gpu(monkeypatch, order):
-    """QUADS_ACT_SPLIT_ROW=1 (fc2's K = 768 held as 512 + 256 in registers, no padded lanes) gives the padded
-    tile's bits on the GPU: the gated operand at the block's row counts, plain and with a static RAC plan."""
+    """A row in two pieces (fc2's K = 768 held as 512 + 256 in registers, no padded lanes: a tile's split_row, or
+    QUADS_ACT_SPLIT_ROW=1) gives the padded tile's bits on the GPU: the gated operand at the block's row counts,
+    plain, with a static RAC plan and with dynamic RAC (both pieces' blocks ranked together), at 1, 2 and 4
+    warps; the dynamic RAC codes of the two pieces equal the reference's."""
     from quads_megatron.kernels import act_quant
-    from quads_megatron.rollout import rac_plan
+    from quads_megatron.kernels.tile_configs import ActQuantConfig
+    from quads_megatron.rollout import rac_plan, reference
+    from quads_megatron.rollout.moe_block import gated_activation
 
+    monkeypatch.delenv("QUADS_ACT_SPLIT_ROW", raising=False)
     g = torch.Generator(device="cuda").manual_seed(5)
     plan = rac_plan.RACPlan(torch.arange(0, INTER // 16, 2), INTER)
     for rows in (128, 2048, 8192):
         y1 = (torch.randn(rows, 2 * INTER, generator=g, device="cuda") * 3).bfloat16()
         valid = torch.rand(rows, generator=g, device="cuda") > 0.1
-        for kw in ({}, {"plan": plan}):
-            monkeypatch.setenv("QUADS_ACT_SPLIT_ROW", "0")
-            one = act_quant.activation_operand(y1, gated=True, row_valid=valid, order=order, **kw)
+        for kw in ({}, {"plan": plan}, {"dynamic_channels": INTER // 2}):
+            one = act_quant.activation_operand(
+                y1, gated=True, row_valid=valid, order=order, config=ActQuantConfig(split_row=False), **kw
+            )
+            for warps in (1, 2, 4):
+                tile = ActQuantConfig(num_warps=warps, split_row=True)
+                two = act_quant.activation_operand(y1, gated=True, row_valid=valid, order=order, config=tile, **kw)
+                assert torch.equal(one.values, two.values), (rows, kw.keys(), warps)
+                assert torch.equal(one.global_decode, two.global_decode), (rows, kw.keys(), warps)
             monkeypatch.setenv("QUADS_ACT_SPLIT_ROW", "1")
-            two = act_quant.activation_operand(y1, gated=True, row_valid=valid, order=order, **kw)
-            assert torch.equal(one.values, two.values) and torch.equal(one.global_decode, two.global_decode), rows
+            env = act_quant.activation_operand(y1, gated=True, row_valid=valid, order=order, **kw)
+            monkeypatch.delenv("QUADS_ACT_SPLIT_ROW")
+            assert torch.equal(one.values, env.values), (rows, kw.keys())
+    h = gated_activation(y1[:256])
+    tile = ActQuantConfig(num_warps=1, split_row=True)
+    got = act_quant.quantize_activation(h, config=tile, dynamic_channels=INTER // 2)
+    want = reference.quantize_activation(h.cpu().float(), dynamic_channels=INTER // 2)
+    for a, b in [(got.x, want.x), (got.residual, want.residual)]:
+        assert torch.equal(a.codes.cpu(), b.codes)
+        assert torch.equal(a.block_scales.view(torch.uint8).cpu(), b.block_scales.view(torch.uint8))
+        assert torch.equal(a.global_decode.cpu(), b.global_decode)
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ FACTS = {  # values of each condition a lookup is asked about
     "n": [64, 128, 192, 256, 384, 576, 1536, 2048, 4096, 4160],
     "out_bytes": [2, 4],
     "rac": [False, True],
+    "dynamic": [False, True],
     "gated": [False, True],
 }
 
@@ -31,7 +32,8 @@ def _rows_grid(rules: list[dict]) -> list[int]:
 
 
 def _fact_grid(kind: str):
-    fact_of = {"max_k": "k", "n_multiple_of": "n", "out_bytes": "out_bytes", "rac": "rac", "gated": "gated"}
+    fact_of = {"max_k": "k", "n_multiple_of": "n", "out_bytes": "out_bytes"}
+    fact_of |= {"rac": "rac", "dynamic": "dynamic", "gated": "gated"}
     names = [fact_of[c] for c in tile_configs.CONDITIONS[kind] if c in fact_of]
     for values in itertools.product(*(FACTS[c] for c in names)):
         yield dict(zip(names, values, strict=True))
@@ -115,6 +117,7 @@ def test_lookups_give_their_dataclass_for_every_shape():
         (lambda: ActQuantConfig(block_m=3), "block_m=3"),
         (lambda: ActQuantConfig(block_k=48), "block_k=48"),
         (lambda: ActQuantConfig(num_warps=32), "num_warps=32"),
+        (lambda: ActQuantConfig(split_row=1), "split_row=1"),
     ],
 )
 def test_config_objects_refuse_tiles_the_kernels_cannot_run(make, match):
@@ -152,6 +155,9 @@ def _bad_tables():
     t = _table("act_quant")
     t["devices"]["NVIDIA_H200"]["rules"][0]["tile"]["block_k"] = 128
     yield "act_quant", t, "an act_quant tile is block_m, num_warps"
+    t = _table("act_quant")
+    t["devices"]["NVIDIA_H200"]["rules"][0]["tile"]["split_row"] = "yes"
+    yield "act_quant", t, "split_row='yes'"
     t = _table("act_quant")
     t["devices"]["NVIDIA_H200"]["chunk_k"] = 500
     yield "act_quant", t, "power-of-two chunk_k"

@@ -10,7 +10,7 @@ from quads_megatron.kernels import act_quant, gemm_triton, row_tiles
 from quads_megatron.kernels import combine as combine_kernel
 from quads_megatron.kernels.tile_configs import ActQuantConfig, TritonGemmConfig
 from quads_megatron.nvfp4 import NVFP4InputError
-from quads_megatron.rollout import rac_plan
+from quads_megatron.rollout import rac_plan, reference
 from quads_megatron.rollout.moe_block import combine, gated_activation, route
 
 E, K, N, T, TOPK = 5, 64, 32, 13, 3
@@ -88,56 +88,69 @@ def test_gated_operand_equals_quantizing_the_gated_activation(dtype, rac):
 
 
 @pytest.mark.parametrize("k,order", [(48, "pairs"), (384, "wgmma"), (768, "wgmma")])
-@pytest.mark.parametrize("rac", ["none", "plan", "4over6"])
+@pytest.mark.parametrize("rac", ["none", "plan", "dynamic", "4over6"])
 def test_a_row_in_two_pieces_gives_the_bits_of_one_padded_tile(monkeypatch, k, order, rac):
     """A whole row of K = P + a smaller power of two (768 = 512 + 256, fc2's input here) held as two unpadded
-    pieces (QUADS_ACT_SPLIT_ROW=1; by default only where no residual is written) gives the bits of the one tile
-    padded to 2P (=0): the operand (gated and not, both orders) and the codes path, with a static RAC plan and
-    under 4over6; dynamic RAC keeps the one tile."""
+    pieces (a tile's split_row, or QUADS_ACT_SPLIT_ROW=1; by default only where no residual is written) gives the
+    bits of the one tile padded to 2P (=0): the operand (gated and not, both orders) and the codes path, with a
+    static RAC plan, with dynamic RAC (both pieces' blocks ranked together: rows whose second piece repeats
+    the first's values tie across the pieces, an all-zero row ties everywhere) and under 4over6."""
     g = torch.Generator().manual_seed(k)
     m = 9
     y1 = (torch.randn(m, 2 * k, generator=g) * 3).bfloat16()
     x = (torch.randn(m, k, generator=g) * torch.exp(torch.randn(k, generator=g))).bfloat16()
-    plan = rac_plan.RACPlan(torch.tensor([0, 2]), k) if rac == "plan" else None
-    kw = (
-        {"plan": plan}
-        if plan is not None
-        else {"recipe": nvfp4.NVFP4Recipe(True, 256, "MSE")}
-        if rac == "4over6"
-        else {}
-    )
     p = 1 << (k.bit_length() - 1)
+    rest = k - p
+    x[1, p:] = x[1, :rest]  # the same blocks in both pieces: equal scores across them
+    y1[2, p:k] = y1[2, :rest]
+    y1[2, k + p :] = y1[2, k : k + rest]
+    x[3] = 0.0
+    plan = rac_plan.RACPlan(torch.tensor([0, 2]), k) if rac == "plan" else None
+    kw = {
+        "none": {},
+        "plan": {"plan": plan},
+        "dynamic": {"dynamic_channels": 16 * (k // 32)},
+        "4over6": {"recipe": nvfp4.NVFP4Recipe(True, 256, "MSE")},
+    }[rac]
     monkeypatch.delenv("QUADS_ACT_SPLIT_ROW", raising=False)  # by default: where no residual is written
-    assert act_quant.row_split(k, 2 * p, False, order) == p and act_quant.row_split(k, p, False, order) == 0
-    assert act_quant.row_split(k, 2 * p, False, order, residual=True) == 0
-    assert act_quant.row_split(k, 2 * k, True, order) == 0  # dynamic RAC ranks the row as one tile
+    assert act_quant.row_split(k, 2 * p, order) == p and act_quant.row_split(k, p, order) == 0
+    assert act_quant.row_split(k, 2 * p, order, residual=True) == 0
+    assert act_quant.row_split(k, 2 * p, order, residual=True, want=True) == p  # a tile's split_row
+    assert act_quant.row_split(k, 2 * p, order, want=False) == 0
     monkeypatch.setenv("QUADS_ACT_SPLIT_ROW", "yes")
     with pytest.raises(ValueError, match="QUADS_ACT_SPLIT_ROW must be 0, 1 or unset"):
-        act_quant.row_split(k, 2 * p, False, order)
-    monkeypatch.setenv("QUADS_ACT_SPLIT_ROW", "0")
-    assert act_quant.row_split(k, 2 * p, False, order) == 0
+        act_quant.row_split(k, 2 * p, order)
+    monkeypatch.setenv("QUADS_ACT_SPLIT_ROW", "0")  # overrides a tile's split_row (A/B)
+    assert act_quant.row_split(k, 2 * p, order, want=True) == 0
 
-    def run():
+    def run(config=None):
         return (
-            act_quant.activation_operand(y1, gated=True, order=order, **kw),
-            act_quant.activation_operand(x, order=order, **kw),
-            act_quant.activation_operand(x, dynamic_channels=k // 3, order=order),
-            act_quant.quantize_activation(x, plan, recipe=kw.get("recipe")),
+            act_quant.activation_operand(y1, gated=True, order=order, config=config, **kw),
+            act_quant.activation_operand(x, order=order, config=config, **kw),
+            act_quant.quantize_activation(x, config=config, **kw),
         )
 
     one = run()
     monkeypatch.setenv("QUADS_ACT_SPLIT_ROW", "1")  # wherever it can: with a residual too
-    assert act_quant.row_split(k, 2 * p, False, order, residual=True) == p
-    assert act_quant.row_split(k, 2 * k, True, order) == 0
+    assert act_quant.row_split(k, 2 * p, order, residual=True, want=False) == p
     two = run()
-    for a, b in zip(one[:3], two[:3], strict=True):
-        assert torch.equal(a.values, b.values) and torch.equal(a.global_decode, b.global_decode)
-    qa, qb = one[3], two[3]
-    for a, b in [(qa.x, qb.x)] + ([(qa.residual, qb.residual)] if plan is not None else []):
-        assert torch.equal(a.codes, b.codes) and torch.equal(
-            a.block_scales.view(torch.uint8), b.block_scales.view(torch.uint8)
-        )
-        assert torch.equal(a.global_decode, b.global_decode)
+    monkeypatch.delenv("QUADS_ACT_SPLIT_ROW")
+    three = run(ActQuantConfig(split_row=True))
+    for other in (two, three):
+        for a, b in zip(one[:2], other[:2], strict=True):
+            assert torch.equal(a.values, b.values) and torch.equal(a.global_decode, b.global_decode)
+        qa, qb = one[2], other[2]
+        assert (qa.residual is None) == (qb.residual is None) == (rac in ("none", "4over6"))
+        for a, b in [(qa.x, qb.x)] + ([(qa.residual, qb.residual)] if qa.residual is not None else []):
+            assert torch.equal(a.codes, b.codes) and torch.equal(
+                a.block_scales.view(torch.uint8), b.block_scales.view(torch.uint8)
+            )
+            assert torch.equal(a.global_decode, b.global_decode)
+    if rac == "dynamic":  # the reference's selection, not one ranked per piece
+        want = reference.quantize_activation(x.float(), dynamic_channels=16 * (k // 32))
+        for a, b in [(one[2].x, want.x), (one[2].residual, want.residual)]:
+            assert torch.equal(a.codes, b.codes)
+            assert torch.equal(a.block_scales.view(torch.uint8), b.block_scales.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -253,6 +266,37 @@ def test_chunked_routing_equals_the_torch_routing(t, k, e, chunk, dtype):
     pos[order] = torch.arange(order.numel())
     assert torch.equal(r.order, order) and torch.equal(r.offs, offs) and torch.equal(r.valid, valid)
     assert torch.equal(r.tokens, order // k) and torch.equal(r.pos, pos)
+
+
+def test_activation_quantization_compiles_for_sm90_lean():
+    """fc2's gated operand kernel compiled for sm_90 (Triton's ptxas, a fresh process), one row per program,
+    holds what its instruction counts rest on (docs/kernel-notes.md, v35): no spills; dynamic RAC on the row in
+    two pieces takes fewer instructions and registers than on the padded tile (48 x 48 ranks, not 64 x 64) and
+    at most 80 registers at one warp (25 CTAs an SM); each block's reciprocal scale is computed about once a
+    block a thread (one warp: SiLU's 24 divisions + 2 global + 3 block + the slow path's, not 8 block copies);
+    the block ranking costs the 4-warp tile under 112 instructions over a static plan's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cases = [
+        dict(k=768, warps=1, split_k=512),
+        dict(k=768, warps=1, split_k=512, rac="dynamic"),
+        dict(k=768, warps=1, split_k=0, rac="dynamic"),
+        dict(k=768, warps=4, split_k=0, rac="dynamic"),
+        dict(k=768, warps=4, split_k=0, rac="static"),
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "quads_megatron.kernels.sass_check", "--act-quant", json.dumps(cases)],
+        capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    plain, two, one, dyn4, static4 = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all(r["spills"] == 0 for r in (plain, two, one, dyn4, static4))
+    assert two["instructions"] < one["instructions"] and two["regs"] < one["regs"] and two["regs"] <= 80, (two, one)
+    assert plain["reciprocals"] <= 31, plain
+    assert dyn4["instructions"] - static4["instructions"] < 112, (dyn4, static4)
 
 
 def test_chunked_routing_compiles_for_sm90_without_spills():

@@ -38,31 +38,202 @@ from quads_megatron.rollout.rac_plan import QuantizedActivation, RACPlan, check_
 
 
 @triton.jit
-def _dynamic_selection(
-    x0, x1, v0, v1, s_dec, blocks, n_sel, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    """bool [BLOCK_M, BLOCK_K/16]: blocks whose residual amax is >= the row's n_sel-th largest
-    (rollout.reference.dynamic_block_mask), i.e. blocks with fewer than n_sel strictly larger.
-
-    Up to 128 blocks per row: that rank by one all-pairs count. Beyond: the threshold by bisection
-    on the fp32 bit patterns (monotonic for non-negative floats): the largest t with
-    count(score >= t) >= n_sel (31 row reductions, but no NB x NB tile in registers)."""
+def _block_scores(d0, d1, k0, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_K/16]: each block's residual amax max|d| (d = x - v * S_dec, even/odd; rollout.
+    reference's dynamic_block_mask scores) of columns [k0, k0 + BLOCK_K); 0 for padding blocks: never strictly
+    larger than a real block's (>= 0), so they never count."""
     NB: tl.constexpr = BLOCK_K // 16
-    r = tl.maximum(tl.abs(x0 - v0 * s_dec[:, None]), tl.abs(x1 - v1 * s_dec[:, None]))
-    score = tl.max(tl.reshape(r, (BLOCK_M, NB, 8)), axis=2)
-    score = tl.where(blocks[None, :] < K // 16, score, -1.0)  # padding blocks never count
-    if NB <= 128:
-        larger = tl.sum((score[:, None, :] > score[:, :, None]).to(tl.int32), axis=2)
-        return larger < n_sel
-    bits = score.to(tl.int32, bitcast=True)
+    blocks = k0 // 16 + tl.arange(0, NB)
+    score = tl.max(tl.reshape(tl.maximum(tl.abs(d0), tl.abs(d1)), (BLOCK_M, NB, 8)), axis=2)
+    return tl.where(blocks[None, :] < K // 16, score, 0.0)
+
+
+@triton.jit
+def _larger_count(score, other):
+    """int32 [BLOCK_M, NA]: per block of score [BLOCK_M, NA], how many blocks of other [BLOCK_M, NO] are
+    strictly larger (one all-pairs compare)."""
+    d = score.to(tl.int32, bitcast=True)[:, :, None] - other.to(tl.int32, bitcast=True)[:, None, :]
+    return tl.sum((d.to(tl.uint32, bitcast=True) >> 31).to(tl.int32, bitcast=True), axis=2)
+
+
+@triton.jit
+def _at_least(score, t):
+    """int32 [BLOCK_M]: how many blocks of score [BLOCK_M, NB] (fp32 bit patterns) are >= t [BLOCK_M]."""
+    return tl.sum((score >= t[:, None]).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _bisect_threshold(bits_a, bits_b, n_sel, BLOCK_M: tl.constexpr, TWO: tl.constexpr):
+    """int32 [BLOCK_M]: the largest t with count(score >= t) >= n_sel over the blocks of bits_a (and, TWO,
+    bits_b), by bisection on the fp32 bit patterns (monotonic for non-negative floats): 31 row reductions,
+    but no NB x NB tile in registers."""
     lo = tl.zeros((BLOCK_M,), tl.int32)
     hi = tl.full((BLOCK_M,), 0x7F800000, tl.int32)
     for _ in tl.static_range(31):
         mid = lo + (hi - lo + 1) // 2
-        ok = tl.sum((bits >= mid[:, None]).to(tl.int32), axis=1) >= n_sel
+        n = _at_least(bits_a, mid)
+        if TWO:
+            n += _at_least(bits_b, mid)
+        ok = n >= n_sel
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid - 1)
-    return bits >= lo[:, None]
+    return lo
+
+
+@triton.jit
+def _dynamic_selection(score, n_sel, BLOCK_M: tl.constexpr, NB: tl.constexpr):
+    """bool [BLOCK_M, NB]: blocks whose score (_block_scores) is >= the row's n_sel-th largest
+    (rollout.reference.dynamic_block_mask), i.e. blocks with fewer than n_sel strictly larger.
+    Up to 128 blocks per row: that rank by one all-pairs count; beyond, the threshold by bisection."""
+    if NB <= 128:
+        return _larger_count(score, score) < n_sel
+    bits = score.to(tl.int32, bitcast=True)
+    return bits >= _bisect_threshold(bits, bits, n_sel, BLOCK_M, False)[:, None]
+
+
+@triton.jit
+def _dynamic_selection_two(score_a, score_b, n_sel, BLOCK_M: tl.constexpr, NB: tl.constexpr):
+    """_dynamic_selection over a row held as two pieces (score_a [BLOCK_M, NA], score_b [BLOCK_M, NB']; NB:
+    their blocks together): each piece's blocks ranked against both pieces', same selection as one tile."""
+    if NB <= 128:
+        sel_a = _larger_count(score_a, score_a) + _larger_count(score_a, score_b) < n_sel
+        sel_b = _larger_count(score_b, score_a) + _larger_count(score_b, score_b) < n_sel
+        return sel_a, sel_b
+    bits_a = score_a.to(tl.int32, bitcast=True)
+    bits_b = score_b.to(tl.int32, bitcast=True)
+    t = _bisect_threshold(bits_a, bits_b, n_sel, BLOCK_M, True)
+    return bits_a >= t[:, None], bits_b >= t[:, None]
+
+
+@triton.jit
+def _encode_values(
+    x0,
+    x1,
+    k0,
+    rows64,
+    rmask,
+    s_enc,
+    s_dec,
+    amax,
+    codes_ptr,
+    scales_ptr,
+    K: tl.constexpr,
+    OPERAND: tl.constexpr,
+    FOUR_OVER_SIX: tl.constexpr,
+    FOS_MSE: tl.constexpr,
+    E4M3_MAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """NVFP4-encode columns [k0, k0+BLOCK_K) of BLOCK_M rows (x0/x1: even/odd fp32 [BLOCK_M, BLOCK_K/2]):
+    stores codes and scales (not OPERAND) and returns the values value(q) * s_b (fp32, exact), even/odd.
+    FOUR_OVER_SIX (FOS_MSE, E4M3_MAX): the 4over6 recipe, whose candidate error also reads the rows' global
+    amax [BLOCK_M]."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    NB: tl.constexpr = BLOCK_K // 16
+    if OPERAND:  # values only: E2M1 rounding without the codes
+        y0, y1, sb_code, sb = nvfp4_block_scaled_recipe(
+            x0, x1, s_enc, s_dec, amax, FOUR_OVER_SIX, E4M3_MAX, FOS_MSE, BLOCK_M, BLOCK_K
+        )
+        q0, q1 = e2m1_round(y0), e2m1_round(y1)
+    else:
+        pairs = k0 // 2 + tl.arange(0, HALF)
+        blocks = k0 // 16 + tl.arange(0, NB)
+        packed, sb_code, sb = nvfp4_block_encode_recipe(
+            x0, x1, s_enc, s_dec, amax, FOUR_OVER_SIX, E4M3_MAX, FOS_MSE, BLOCK_M, BLOCK_K
+        )
+        pmask = rmask[:, None] & (pairs[None, :] < K // 2)
+        bmask = rmask[:, None] & (blocks[None, :] < K // 16)
+        tl.store(codes_ptr + rows64[:, None] * (K // 2) + pairs[None, :], packed.to(tl.uint8), mask=pmask)
+        tl.store(scales_ptr + rows64[:, None] * (K // 16) + blocks[None, :], sb_code.to(tl.uint8), mask=bmask)
+        q0, q1 = e2m1_value(packed & 15), e2m1_value(packed >> 4)
+    sb_full = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
+    return q0 * sb_full, q1 * sb_full
+
+
+@triton.jit
+def _residual_inputs(x0, x1, v0, v1, s_dec):
+    """(d0, d1, u0, u1) for _residual_store from x and its values v (even/odd fp32 [BLOCK_M, BLOCK_K/2]): the
+    residual d = x - v * S_dec (fp32) and the operand's fp16 values u = fp16(v * 2^-7) (exact)."""
+    d0 = x0 - v0 * s_dec[:, None]
+    d1 = x1 - v1 * s_dec[:, None]
+    return d0, d1, (v0 * 0.0078125).to(tl.float16), (v1 * 0.0078125).to(tl.float16)
+
+
+@triton.jit
+def _residual_store(
+    d0,
+    d1,
+    u0,
+    u1,
+    sel,
+    k0,
+    rows64,
+    rmask,
+    s_enc,
+    s_dec,
+    amax,
+    rcodes_ptr,
+    rscales_ptr,
+    op_ptr,
+    K: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    OPERAND: tl.constexpr,
+    WGMMA_ORDER: tl.constexpr,
+    FOUR_OVER_SIX: tl.constexpr,
+    FOS_MSE: tl.constexpr,
+    E4M3_MAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The rest of _encode_values' columns (_residual_inputs: d = x - v * S_dec fp32, u = fp16(v * 2^-7)): (HAS_RES)
+    the RAC residual d of the selected blocks (sel: bool [BLOCK_M, BLOCK_K/16]) encoded and stored, or folded into
+    u; then (OPERAND) the decoded fp16 GEMM operand stored: [M, 2, K/2], or (WGMMA_ORDER) [M, K] in
+    gemm_wgmma_launch.operand_permutation's order (see activation_operand)."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    NB: tl.constexpr = BLOCK_K // 16
+    pairs = k0 // 2 + tl.arange(0, HALF)
+    blocks = k0 // 16 + tl.arange(0, NB)
+    pmask = rmask[:, None] & (pairs[None, :] < K // 2)
+    bmask = rmask[:, None] & (blocks[None, :] < K // 16)
+    if HAS_RES:
+        sel_full = tl.reshape(tl.broadcast_to(sel[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
+        r0 = tl.where(sel_full != 0, d0, 0.0)
+        r1 = tl.where(sel_full != 0, d1, 0.0)
+        if OPERAND:
+            ry0, ry1, _, rsb = nvfp4_block_scaled_recipe(
+                r0, r1, s_enc, s_dec, amax, FOUR_OVER_SIX, E4M3_MAX, FOS_MSE, BLOCK_M, BLOCK_K
+            )
+            rsb_full = tl.reshape(tl.broadcast_to(rsb[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
+            # fp16(a) + fp16(r) rounded once to fp16: what the GEMM's in-register fold computes
+            rv0 = (e2m1_round(ry0) * rsb_full * 0.0078125).to(tl.float16).to(tl.float32)
+            rv1 = (e2m1_round(ry1) * rsb_full * 0.0078125).to(tl.float16).to(tl.float32)
+            u0 = (u0.to(tl.float32) + rv0).to(tl.float16)
+            u1 = (u1.to(tl.float32) + rv1).to(tl.float16)
+        else:
+            rpacked, rsb_code, rsb = nvfp4_block_encode_recipe(
+                r0, r1, s_enc, s_dec, amax, FOUR_OVER_SIX, E4M3_MAX, FOS_MSE, BLOCK_M, BLOCK_K
+            )
+            tl.store(rcodes_ptr + rows64[:, None] * (K // 2) + pairs[None, :], rpacked.to(tl.uint8), mask=pmask)
+            tl.store(rscales_ptr + rows64[:, None] * (K // 16) + blocks[None, :], rsb_code.to(tl.uint8), mask=bmask)
+    if OPERAND:
+        if WGMMA_ORDER and BLOCK_K % 128 == 0:  # permute whole 128-chunks in registers, store contiguously
+            v = tl.reshape(tl.join(u0, u1), (BLOCK_M, BLOCK_K // 128) + (2,) * 7)
+            # element e = (e6..e0) of a chunk (e0 = odd) goes to (e4 e3 e0 e2 e6 e5 e1), as below
+            v = tl.reshape(tl.permute(v, (0, 1, 4, 5, 8, 6, 2, 3, 7)), (BLOCK_M, BLOCK_K))
+            cols = k0 + tl.arange(0, BLOCK_K)
+            tl.store(op_ptr + rows64[:, None] * K + cols[None, :], v, mask=rmask[:, None] & (cols[None, :] < K))
+        elif WGMMA_ORDER:  # pair p = 64c + pp (bits pp5..pp0) -> 128c + (pp3 pp2 s pp1 pp5 pp4 pp0), s = odd
+            pp = pairs % 64
+            pos = (pairs // 64) * 128 + ((pp >> 3) & 1) * 64 + ((pp >> 2) & 1) * 32 + ((pp >> 1) & 1) * 8
+            pos += (pp >> 5) * 4 + ((pp >> 4) & 1) * 2 + (pp & 1)
+            base = op_ptr + rows64[:, None] * K + pos[None, :]
+            tl.store(base, u0, mask=pmask)
+            tl.store(base + 16, u1, mask=pmask)
+        else:  # [M, 2, K/2]: even elements, then odd elements of each row
+            base = op_ptr + rows64[:, None] * K + pairs[None, :]
+            tl.store(base, u0, mask=pmask)
+            tl.store(base + K // 2, u1, mask=pmask)
 
 
 @triton.jit
@@ -93,77 +264,26 @@ def _encode_store_chunk(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Encode columns [k0, k0+BLOCK_K) of BLOCK_M rows (x0/x1: even/odd fp32 [BLOCK_M, BLOCK_K/2]) and store
-    codes and scales, or (OPERAND) the decoded fp16 GEMM operand: [M, 2, K/2], or (WGMMA_ORDER) [M, K] in
-    gemm_wgmma_launch.operand_permutation's order (see activation_operand). FOUR_OVER_SIX (FOS_MSE,
-    E4M3_MAX): the 4over6 recipe, whose candidate error also reads the rows' global amax [BLOCK_M]."""
-    HALF: tl.constexpr = BLOCK_K // 2
+    """Encode and store columns [k0, k0+BLOCK_K) of BLOCK_M rows (_encode_values, then _residual_store) with
+    the blocks a static plan (mask_ptr) selects or (DYNAMIC: the whole row in this tile) this row's own."""
     NB: tl.constexpr = BLOCK_K // 16
-    pairs = k0 // 2 + tl.arange(0, HALF)
-    blocks = k0 // 16 + tl.arange(0, NB)
-    pmask = rmask[:, None] & (pairs[None, :] < K // 2)
-    bmask = rmask[:, None] & (blocks[None, :] < K // 16)
-    if OPERAND:  # values only: E2M1 rounding without the codes
-        y0, y1, sb_code, sb = nvfp4_block_scaled_recipe(
-            x0, x1, s_enc, s_dec, amax, FOUR_OVER_SIX, E4M3_MAX, FOS_MSE, BLOCK_M, BLOCK_K
-        )
-        q0, q1 = e2m1_round(y0), e2m1_round(y1)
-    else:
-        packed, sb_code, sb = nvfp4_block_encode_recipe(
-            x0, x1, s_enc, s_dec, amax, FOUR_OVER_SIX, E4M3_MAX, FOS_MSE, BLOCK_M, BLOCK_K
-        )
-        tl.store(codes_ptr + rows64[:, None] * (K // 2) + pairs[None, :], packed.to(tl.uint8), mask=pmask)
-        tl.store(scales_ptr + rows64[:, None] * (K // 16) + blocks[None, :], sb_code.to(tl.uint8), mask=bmask)
-        q0, q1 = e2m1_value(packed & 15), e2m1_value(packed >> 4)
-    sb_full = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
-    v0 = q0 * sb_full  # value(q) * s_b: exact in fp32
-    v1 = q1 * sb_full
+    v0, v1 = _encode_values(
+        x0, x1, k0, rows64, rmask, s_enc, s_dec, amax, codes_ptr, scales_ptr, K, OPERAND, FOUR_OVER_SIX, FOS_MSE,
+        E4M3_MAX, BLOCK_M, BLOCK_K,
+    )  # fmt: skip
+    d0, d1, u0, u1 = _residual_inputs(x0, x1, v0, v1, s_dec)
+    sel = v0  # not read without a residual
     if HAS_RES:
         if DYNAMIC:  # whole row in registers: pick this token's blocks
-            sel = _dynamic_selection(x0, x1, v0, v1, s_dec, blocks, n_sel, K, BLOCK_M, BLOCK_K)
+            sel = _dynamic_selection(_block_scores(d0, d1, k0, K, BLOCK_M, BLOCK_K), n_sel, BLOCK_M, NB)
         else:
+            blocks = k0 // 16 + tl.arange(0, NB)
             sel = tl.load(mask_ptr + blocks, mask=blocks < K // 16, other=0) != 0
             sel = tl.broadcast_to(sel[None, :], (BLOCK_M, NB))
-        sel_full = tl.reshape(tl.broadcast_to(sel[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
-        r0 = tl.where(sel_full != 0, x0 - v0 * s_dec[:, None], 0.0)
-        r1 = tl.where(sel_full != 0, x1 - v1 * s_dec[:, None], 0.0)
-        if OPERAND:
-            ry0, ry1, _, rsb = nvfp4_block_scaled_recipe(
-                r0, r1, s_enc, s_dec, amax, FOUR_OVER_SIX, E4M3_MAX, FOS_MSE, BLOCK_M, BLOCK_K
-            )
-            rsb_full = tl.reshape(tl.broadcast_to(rsb[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
-            # fp16(a) + fp16(r) rounded once to fp16: what the GEMM's in-register fold computes
-            rv0 = (e2m1_round(ry0) * rsb_full * 0.0078125).to(tl.float16).to(tl.float32)
-            rv1 = (e2m1_round(ry1) * rsb_full * 0.0078125).to(tl.float16).to(tl.float32)
-            v0 = (v0 * 0.0078125).to(tl.float16).to(tl.float32) + rv0
-            v1 = (v1 * 0.0078125).to(tl.float16).to(tl.float32) + rv1
-        else:
-            rpacked, rsb_code, rsb = nvfp4_block_encode_recipe(
-                r0, r1, s_enc, s_dec, amax, FOUR_OVER_SIX, E4M3_MAX, FOS_MSE, BLOCK_M, BLOCK_K
-            )
-            tl.store(rcodes_ptr + rows64[:, None] * (K // 2) + pairs[None, :], rpacked.to(tl.uint8), mask=pmask)
-            tl.store(rscales_ptr + rows64[:, None] * (K // 16) + blocks[None, :], rsb_code.to(tl.uint8), mask=bmask)
-    elif OPERAND:
-        v0 = v0 * 0.0078125
-        v1 = v1 * 0.0078125
-    if OPERAND:
-        if WGMMA_ORDER and BLOCK_K % 128 == 0:  # permute whole 128-chunks in registers, store contiguously
-            v = tl.reshape(tl.join(v0.to(tl.float16), v1.to(tl.float16)), (BLOCK_M, BLOCK_K // 128) + (2,) * 7)
-            # element e = (e6..e0) of a chunk (e0 = odd) goes to (e4 e3 e0 e2 e6 e5 e1), as below
-            v = tl.reshape(tl.permute(v, (0, 1, 4, 5, 8, 6, 2, 3, 7)), (BLOCK_M, BLOCK_K))
-            cols = k0 + tl.arange(0, BLOCK_K)
-            tl.store(op_ptr + rows64[:, None] * K + cols[None, :], v, mask=rmask[:, None] & (cols[None, :] < K))
-        elif WGMMA_ORDER:  # pair p = 64c + pp (bits pp5..pp0) -> 128c + (pp3 pp2 s pp1 pp5 pp4 pp0), s = odd
-            pp = pairs % 64
-            pos = (pairs // 64) * 128 + ((pp >> 3) & 1) * 64 + ((pp >> 2) & 1) * 32 + ((pp >> 1) & 1) * 8
-            pos += (pp >> 5) * 4 + ((pp >> 4) & 1) * 2 + (pp & 1)
-            base = op_ptr + rows64[:, None] * K + pos[None, :]
-            tl.store(base, v0.to(tl.float16), mask=pmask)
-            tl.store(base + 16, v1.to(tl.float16), mask=pmask)
-        else:  # [M, 2, K/2]: even elements, then odd elements of each row
-            base = op_ptr + rows64[:, None] * K + pairs[None, :]
-            tl.store(base, v0.to(tl.float16), mask=pmask)
-            tl.store(base + K // 2, v1.to(tl.float16), mask=pmask)
+    _residual_store(
+        d0, d1, u0, u1, sel, k0, rows64, rmask, s_enc, s_dec, amax, rcodes_ptr, rscales_ptr, op_ptr, K, HAS_RES,
+        OPERAND, WGMMA_ORDER, FOUR_OVER_SIX, FOS_MSE, E4M3_MAX, BLOCK_M, BLOCK_K,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -302,6 +422,34 @@ def _act_quant_kernel(
                 amax = tl.maximum(amax, tl.max(tl.maximum(tl.abs(y0), tl.abs(y1)), axis=1))
         s_enc, s_dec = _global_scales(amax, BLOCK_M, E4M3_MAX)
         tl.store(sdec_ptr + rows, s_dec, mask=rmask)
+        if SPLIT_K > 0 and DYNAMIC:  # both pieces' values and scores first: the row's blocks ranked together
+            REST: tl.constexpr = K - SPLIT_K
+            va0, va1 = _encode_values(
+                x0, x1, 0, rows64, rmask, s_enc, s_dec, amax, codes_ptr, scales_ptr, K, OPERAND, FOUR_OVER_SIX,
+                FOS_MSE, E4M3_MAX, BLOCK_M, SPLIT_K,
+            )  # fmt: skip
+            vb0, vb1 = _encode_values(
+                y0, y1, SPLIT_K, rows64, rmask, s_enc, s_dec, amax, codes_ptr, scales_ptr, K, OPERAND, FOUR_OVER_SIX,
+                FOS_MSE, E4M3_MAX, BLOCK_M, REST,
+            )  # fmt: skip
+            da0, da1, ua0, ua1 = _residual_inputs(x0, x1, va0, va1, s_dec)
+            db0, db1, ub0, ub1 = _residual_inputs(y0, y1, vb0, vb1, s_dec)
+            sel_a, sel_b = _dynamic_selection_two(
+                _block_scores(da0, da1, 0, K, BLOCK_M, SPLIT_K),
+                _block_scores(db0, db1, SPLIT_K, K, BLOCK_M, REST),
+                n_sel,
+                BLOCK_M,
+                K // 16,
+            )
+            _residual_store(
+                db0, db1, ub0, ub1, sel_b, SPLIT_K, rows64, rmask, s_enc, s_dec, amax, rcodes_ptr, rscales_ptr, op_ptr,
+                K, HAS_RES, OPERAND, WGMMA_ORDER, FOUR_OVER_SIX, FOS_MSE, E4M3_MAX, BLOCK_M, REST,
+            )  # fmt: skip
+            _residual_store(
+                da0, da1, ua0, ua1, sel_a, 0, rows64, rmask, s_enc, s_dec, amax, rcodes_ptr, rscales_ptr, op_ptr,
+                K, HAS_RES, OPERAND, WGMMA_ORDER, FOUR_OVER_SIX, FOS_MSE, E4M3_MAX, BLOCK_M, SPLIT_K,
+            )  # fmt: skip
+            return
         if SPLIT_K > 0:
             _encode_store_chunk(
                 y0, y1, SPLIT_K, rows64, rmask, s_enc, s_dec, amax, mask_ptr, codes_ptr, scales_ptr, rcodes_ptr,
@@ -409,17 +557,18 @@ class ActivationOperand:
 _TM_BLOCK_P = 32  # row tiles per tile-map program inside the activation launch ([32, E] compares per program)
 
 
-def row_split(k: int, block_k: int, dynamic: bool, order: str, residual: bool = False) -> int:
+def row_split(k: int, block_k: int, order: str, residual: bool = False, want: bool | None = None) -> int:
     """SPLIT_K of a launch: where the whole row is held (block_k >= K) and K is a power of two P plus a smaller one
-    (768 = 512 + 256: fc2's input of a Qwen3-30B-A3B expert), P; else 0 (one tile of block_k, padded past K).
-    Not with dynamic RAC (its block ranking reads the row as one tile), and in the "wgmma" order only where
-    both pieces are whole 128-chunks. QUADS_ACT_SPLIT_ROW: unset, where the launch writes no residual (H100
-    2026-12-07: 24-29% faster without RAC, 8-13% slower with a static plan's residual); 1, wherever it can;
-    0, never. The same bits either way."""
+    (768 = 512 + 256: fc2's input of a Qwen3-30B-A3B expert), P; else 0 (one tile of block_k, padded past K). In
+    the "wgmma" order only where both pieces are whole 128-chunks; dynamic RAC ranks the blocks of both pieces
+    together. want: the tile's split_row (ActQuantConfig); None: where the launch writes no residual (H100
+    2026-12-07, at the tuned tiles: 24-29% faster without RAC, 8-13% slower with a static plan's residual at 4
+    warps). QUADS_ACT_SPLIT_ROW overrides both (A/B): 1, wherever it can; 0, never. The same bits either way."""
     mode = os.environ.get("QUADS_ACT_SPLIT_ROW", "")
     if mode not in ("", "0", "1"):
         raise ValueError(f"QUADS_ACT_SPLIT_ROW must be 0, 1 or unset, got {mode!r}")
-    if block_k < k or dynamic or mode == "0" or (residual and mode != "1"):
+    split = mode == "1" if mode else (not residual if want is None else want)
+    if block_k < k or not split:
         return 0
     p = 1 << (k.bit_length() - 1)
     rest = k - p
@@ -479,7 +628,7 @@ def _launch_act_quant(
     if n_sel and block_k < k:
         raise ValueError(f"dynamic RAC selects per row: block_k={block_k} must cover K={k}")
     has_res = n_sel > 0 or (plan is not None and plan.blocks.numel() > 0)
-    split_k = row_split(k, block_k, n_sel > 0, order, has_res)
+    split_k = row_split(k, block_k, order, has_res, tile.split_row)
     dev = x.device
     sdec = torch.empty((m,), dtype=torch.float32, device=dev)
     if operand:

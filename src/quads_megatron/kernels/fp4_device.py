@@ -67,8 +67,12 @@ def _scale_to_e2m1(x0, x1, sb, s_dec, BLOCK_M: tl.constexpr, BLOCK_K: tl.constex
     [BLOCK_M]), clamped to [-6, 6]."""
     HALF: tl.constexpr = BLOCK_K // 2
     NB: tl.constexpr = BLOCK_K // 16
-    enc = tl.minimum(tl.div_rn(tl.full(sb.shape, 1.0, tl.float32), sb * s_dec[:, None]), FP32_MAX)
-    enc_full = tl.reshape(tl.broadcast_to(enc[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
+    if NB >= 128:
+        enc = tl.minimum(tl.div_rn(tl.full(sb.shape, 1.0, tl.float32), sb * s_dec[:, None]), FP32_MAX)[:, :, None]
+    else:  # the division on [BLOCK_M, NB, 1]: Triton then lays it out as the block reduction (fewer copies per thread)
+        d = (sb * s_dec[:, None])[:, :, None]
+        enc = tl.minimum(tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d), FP32_MAX)
+    enc_full = tl.reshape(tl.broadcast_to(enc, (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
     y0 = tl.minimum(tl.maximum(x0 * enc_full, -6.0), 6.0)
     y1 = tl.minimum(tl.maximum(x1 * enc_full, -6.0), 6.0)
     return y0, y1

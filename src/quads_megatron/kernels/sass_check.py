@@ -386,15 +386,72 @@ def compile_route_chunked_sm90(chunk: int, experts: int = 128, topk: int = 8) ->
     return out
 
 
+def compile_act_quant_sm90(k: int, warps: int, split_k: int = 0, rac: str = "none", gated: bool = True) -> dict:
+    """Compile the activation quantization's operand kernel (kernels/act_quant.py) as the block runs it (the
+    decoded fp16 operand in the "wgmma" order, one bf16 row of K per program; gated: SiLU(gate) * up of a [M, 2K]
+    input, fc2's; split_k: the row as two pieces, act_quant.row_split; rac: "none", "static" (a plan's residual)
+    or "dynamic" (per-token selection)) for sm_90 with Triton's ptxas, no GPU needed: registers per thread,
+    local memory (spills), instructions (the whole kernel: one row), correctly rounded reciprocals and
+    divisions (MUFU.RCP) and the commonest opcodes."""
+    import collections
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from quads_megatron.kernels import act_quant
+
+    if rac not in ("none", "static", "dynamic"):
+        raise ValueError(f"rac must be none, static or dynamic, got {rac!r}")
+    fn = act_quant._act_quant_kernel
+    params = list(inspect.signature(fn.fn).parameters)
+    consts = dict(
+        K=k, STATIC=False, HAS_RES=rac != "none", DYNAMIC=rac == "dynamic", OPERAND=True, WGMMA_ORDER=True, GATED=gated,
+        HAS_VALID=True, X_BF16=True, FOUR_OVER_SIX=False, FOS_MSE=False, E4M3_MAX=448.0, BLOCK_M=1,
+        BLOCK_K=triton.next_power_of_2(k), SPLIT_K=split_k, HAS_TM=False, TM_BM=1, TM_BLOCK_E=2, TM_BLOCK_P=64,
+        HAS_ROUTE=False, R_TOPK=1, R_BLOCK=16, R_NB=2, R_HISTOGRAM=True, PDL=True,
+    )  # fmt: skip
+    types = {"x_ptr": "*bf16", "op_ptr": "*fp16", "sdec_ptr": "*fp32", "amax_ptr": "*fp32", "valid_ptr": "*i8"}
+    types["mask_ptr"] = "*i8"
+    sig = {p: "constexpr" if p in consts else types.get(p, "*i32") if p.endswith("_ptr") else "i32" for p in params}
+    # pointers and the row stride divisible by 16, as Triton's JIT specializes them at the block's shapes
+    attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in params if p.endswith("_ptr") or p == "stride_xm"}
+    compiled = triton.compile(
+        ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=warps, enable_fp_fusion=False),
+    )
+    ops = collections.Counter()
+    for kind, text in _program(disassemble(compiled.asm["cubin"])):
+        words = [w for w in _GUARD.sub("", text).split() if re.match(r"^[A-Z][A-Z0-9]*(\.|$)", w)]
+        if kind == "ins" and words:
+            ops[words[0]] += 1
+    base = collections.Counter()
+    for op, n in ops.items():
+        base[op.split(".")[0]] += n
+    return {
+        "regs": registers_per_thread(compiled.asm["cubin"]),
+        "spills": base["STL"] + base["LDL"],
+        "instructions": sum(ops.values()),
+        "reciprocals": ops["MUFU.RCP"],
+        "ops": dict(base.most_common(8)),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     """Compile each tile of a JSON list of WgmmaConfig fields (argv[0]; --k K; --mma: MmaConfig fields, the
     decode-size GEMM; --tiled: on tiled weights) and print the reports as one JSON list; --route-chunked
-    CHUNKS: the chunked routing's reports by chunk size instead."""
+    CHUNKS: the chunked routing's reports by chunk size instead; --act-quant JSON: the activation quantization's
+    (a list of compile_act_quant_sm90's keyword arguments)."""
     from quads_megatron.kernels.tile_configs import MmaConfig, WgmmaConfig
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--route-chunked"]:  # chunk sizes, comma-separated: the chunked routing's reports
         print(json.dumps({c: compile_route_chunked_sm90(int(c)) for c in argv[1].split(",")}))
+        return
+    if argv[:1] == ["--act-quant"]:  # a JSON list of compile_act_quant_sm90's keyword arguments
+        print(json.dumps([compile_act_quant_sm90(**kw) for kw in json.loads(argv[1])]))
         return
     k, mma, tiled = 2048, False, False
     while argv[:1] in (["--k"], ["--mma"], ["--tiled"]):

@@ -32,7 +32,7 @@ CONDITIONS = {  # the conditions a kind's rules may state (facts its lookup know
     "triton_gemm": ("max_rows", "min_rows", "max_k"),
     "mma_gemm": ("max_rows", "min_rows", "max_k"),
     "wgmma_gemm": ("max_rows", "min_rows", "max_k", "n_multiple_of", "out_bytes"),
-    "act_quant": ("max_rows", "min_rows", "rac", "gated"),
+    "act_quant": ("max_rows", "min_rows", "rac", "dynamic", "gated"),
 }
 
 
@@ -196,15 +196,19 @@ L2_PREFETCH_MAX = 16
 @dataclass(frozen=True)
 class ActQuantConfig:
     """Tiles of the activation quantization (act_quant): block_m rows per program, block_k of K per
-    pass (>= K: the whole row in registers, one read of x), warps. A field left None takes the tuned
-    value for the call (act_quant_config)."""
+    pass (>= K: the whole row in registers, one read of x), warps; split_row: a whole row of K = a power of
+    two + a smaller one held as those two pieces instead of one padded tile (act_quant.row_split; None: where
+    no residual is written). A field left None takes the tuned value for the call (act_quant_config)."""
 
     block_m: int | None = None
     block_k: int | None = None
     num_warps: int | None = None
+    split_row: bool | None = None
 
     def __post_init__(self) -> None:
         _check_ints(self, ("block_m", "block_k", "num_warps"))
+        if self.split_row is not None and not isinstance(self.split_row, bool):
+            raise KernelConfigError(f"ActQuantConfig.split_row={self.split_row!r}: true, false or null")
         if self.block_m is not None and not (_pow2(self.block_m) and self.block_m <= 256):
             raise KernelConfigError(f"ActQuantConfig.block_m={self.block_m}: a power of two up to 256")
         if self.block_k is not None and not (_pow2(self.block_k) and self.block_k >= 16):
@@ -272,8 +276,10 @@ def check_table(kind: str, table: dict, where: str) -> None:
                 _TILE_CLASS[kind](**rule["tile"])
             except (TypeError, KernelConfigError) as e:
                 raise KernelConfigError(f"{where}: device {name} rule {i}: {e}") from e
-            if kind == "act_quant" and set(rule["tile"]) != {"block_m", "num_warps"}:
-                raise KernelConfigError(f"{where}: device {name} rule {i}: an act_quant tile is block_m, num_warps")
+            if kind == "act_quant" and set(rule["tile"]) - {"split_row"} != {"block_m", "num_warps"}:
+                raise KernelConfigError(
+                    f"{where}: device {name} rule {i}: an act_quant tile is block_m, num_warps (and split_row)"
+                )
         if set(rules[-1]) != {"tile"}:
             raise KernelConfigError(f"{where}: device {name}: the last rule must have no conditions")
     if kind == "act_quant":
@@ -297,7 +303,7 @@ def device_entry(kind: str, device: torch.device | str | None = None) -> dict:
 
 
 def rule_holds(rule: dict, facts: dict) -> bool:
-    """Whether every condition of rule holds for facts (rows, k, n, out_bytes, rac, gated)."""
+    """Whether every condition of rule holds for facts (rows, k, n, out_bytes, rac, dynamic, gated)."""
     for key, want in rule.items():
         if key == "tile":
             continue
@@ -309,7 +315,7 @@ def rule_holds(rule: dict, facts: dict) -> bool:
             return False
         if key == "n_multiple_of" and facts["n"] % want:
             return False
-        if key in ("out_bytes", "rac", "gated") and facts[key] != want:
+        if key in ("out_bytes", "rac", "dynamic", "gated") and facts[key] != want:
             return False
     return True
 
@@ -376,13 +382,14 @@ def act_quant_config(
     whole row (K rounded up to a power of two) up to whole_row_max_k or with dynamic RAC (it selects
     per row), else chunk_k."""
     entry = device_entry("act_quant", device)
-    tile = match_rule("act_quant", device, rows=rows, rac=plan or dynamic, gated=gated)[1]["tile"]
+    tile = match_rule("act_quant", device, rows=rows, rac=plan or dynamic, dynamic=dynamic, gated=gated)[1]["tile"]
     whole = dynamic or k <= entry["whole_row_max_k"]
     given = given or ActQuantConfig()
     return ActQuantConfig(
         block_m=given.block_m or tile["block_m"],
         block_k=given.block_k or (1 << max(k - 1, 0).bit_length() if whole else entry["chunk_k"]),
         num_warps=given.num_warps or tile["num_warps"],
+        split_row=given.split_row if given.split_row is not None else tile.get("split_row"),
     )
 
 
