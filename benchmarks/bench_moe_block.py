@@ -5,8 +5,9 @@ moe intermediate 768, top-8), random routing, the same inputs for every arm, CUD
   --layout's expert weights (default tiled, kernels/weight_layout.py: what the method serves at these
   shapes; ours_other_layout: the same block on the other one; ours_whole_row: with the activation
   quantization's row as one padded tile, QUADS_ACT_SPLIT_ROW=0; ours_torch_route / ours_other_routing: on the
-  torch routing / on a routing it does not take, OTHER_ROUTING); ours_rac50: + dynamic RAC 50%;
-  ours_rac50_static: + static RAC 50% plans (timing depends on the count);
+  torch routing / on a routing it does not take, OTHER_ROUTING); ours_rac50: + dynamic RAC 50%
+  (ours_rac50_other_row: with fc2's row held the other way than its tile holds it); ours_rac50_static: + static
+  RAC 50% plans (timing depends on the count);
 * sglang_fp8 / sglang_fp8_tensor / sglang_bf16: SGLang's own fused MoE as its engine runs it on Hopper
   (fused_experts: moe_align_block_size, its Triton GEMMs, fused SiLU*up, top-k sum) for FP8 w8a8
   block [128, 128] weights, per-tensor FP8 weights (what quantization="fp8" makes online) and bf16, each
@@ -43,6 +44,7 @@ import torch
 
 from quads_megatron import nvfp4
 from quads_megatron.config import RACConfig
+from quads_megatron.kernels import act_quant, tile_configs
 from quads_megatron.rollout import moe_block as moe
 from quads_megatron.rollout import reference
 from quads_megatron.rollout.rac_plan import RACPlan
@@ -59,6 +61,7 @@ ARMS = (
     "ours_other_routing",
     "ours_other_layout",
     "ours_whole_row",
+    "ours_rac50_other_row",
     "sglang_fp8",
     "sglang_fp8_tuned",
     "sglang_fp8_tensor",
@@ -183,7 +186,8 @@ def markdown(result: dict) -> str:
         f"Expert weights {result.get('layout', 'row_major')} (kernels/weight_layout.py); 'ours, other layout': the",
         "same block on the other layout (A/B). 'ours, row as one tile': the same block with the activation",
         "quantization holding fc2's row of 768 as one tile padded to 1024 instead of 512 + 256 (act_quant.row_split,",
-        "QUADS_ACT_SPLIT_ROW=0; A/B).",
+        "QUADS_ACT_SPLIT_ROW=0; A/B). '+ dyn RAC 50%, other row': the dynamic RAC block with that row held the other",
+        "way than its tile holds it (row split: its tile's choice, ActQuantConfig.split_row; A/B).",
         "",
     ]
     shipped = result.get("sglang_tuned_configs") or {}
@@ -215,6 +219,7 @@ def markdown(result: dict) -> str:
     head += ["RAC50 vs FP8", "RAC50 vs FP8 tuned", "NVFP4 floor", "ours % floor", "FP8 floor", "FP8 % floor"]
     head += ["FP8 tuned % floor", "ours max err", "ours, torch routing", "ours GEMM", "ours, no mma GEMM"]
     head += ["routing", "ours, other routing", "ours, other layout", "ours, row as one tile"]
+    head += ["+ dyn RAC 50%, row split", "+ dyn RAC 50%, other row"]
     rows = []
     for r in result["rows"]:
         rows.append(
@@ -232,6 +237,7 @@ def markdown(result: dict) -> str:
                 f(r.get("ours_torch_route_us")), r.get("ours_impl", "-"), f(r.get("ours_no_mma_us")),
                 routing_cell(r), f(r.get("ours_other_routing_us")),
                 f(r.get("ours_other_layout_us")), f(r.get("ours_whole_row_us")),
+                {True: "yes", False: "no"}.get(r.get("rac50_row_split"), "-"), f(r.get("ours_rac50_other_row_us")),
             ]
         )  # fmt: skip
     lines += bench_env.table(head, rows)
@@ -253,6 +259,9 @@ def markdown(result: dict) -> str:
         )
         same += {True: "; row as one tile: the same bits", False: "; row as one tile: OTHER BITS"}.get(
             r.get("whole_row_same_bits"), ""
+        )
+        same += {True: "; RAC on the other row: the same bits", False: "; RAC on the other row: OTHER BITS"}.get(
+            r.get("rac50_other_row_same_bits"), ""
         )
         lines.append(
             f"- {r['tokens']} tokens: {state} (rel err {f(r.get('ours_rel_err'), '.2e')}{same}); vs bf16: {errs}"
@@ -513,12 +522,14 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
 
     fns = {"ours": ours(), "ours_rac50": ours(rac_dyn), "ours_rac50_static": ours(rac_static)}
 
-    def ours_with_env(name: str, value: str):  # the block with one of its switches set for the call (an A/B arm)
+    def ours_with_env(name: str, value: str, r: moe.LayerRAC | None = None):  # the block with one of its switches
+        r = r or moe.LayerRAC()  # set for the call (an A/B arm)
+
         def run():
             kept = os.environ.get(name)
             os.environ[name] = value
             try:
-                return moe.moe_w4a4(t["x"], ids, t["w"], weights, impl="auto", check=False)
+                return moe.moe_w4a4(t["x"], ids, t["w"], weights, r, impl="auto", check=False)
             finally:
                 os.environ.pop(name) if kept is None else os.environ.update({name: kept})
 
@@ -533,6 +544,10 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
     if row["other_routing"]:
         fns["ours_other_routing"] = ours_with_env("QUADS_ROUTING", row["other_routing"])
     fns["ours_whole_row"] = ours_with_env("QUADS_ACT_SPLIT_ROW", "0")
+    # dynamic RAC with fc2's row held the other way than its tile holds it (split_row: two pieces or one padded tile)
+    tile = tile_configs.act_quant_config(ids.numel(), shape["inter"], False, True, True, args.device)
+    row["rac50_row_split"] = act_quant.row_split(shape["inter"], tile.block_k, "wgmma", True, tile.split_row) > 0
+    fns["ours_rac50_other_row"] = ours_with_env("QUADS_ACT_SPLIT_ROW", "0" if row["rac50_row_split"] else "1", rac_dyn)
     if "ours_other_layout" in args.arms:  # A/B of the weights' layout (kernels/weight_layout.py), made once a run
         if "nvfp4_other" not in inp:
             inp["nvfp4_other"] = weights.as_row_major() if weights.tiled else weights.as_tiled()
@@ -580,6 +595,9 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
         if "ours_whole_row" in args.arms:  # the padded tile is the same arithmetic
             row["whole_row_same_bits"] = torch.equal(got, fns["ours_whole_row"]())
             row["check_ok"] &= row["whole_row_same_bits"]
+        if "ours_rac50_other_row" in args.arms:  # so is dynamic RAC on the other row layout
+            row["rac50_other_row_same_bits"] = torch.equal(fns["ours_rac50"](), fns["ours_rac50_other_row"]())
+            row["check_ok"] &= row["rac50_other_row_same_bits"]
     except Exception as e:
         row["errors"]["check"] = f"{type(e).__name__}: {e}"[:300]
         row["check_ok"] = False
