@@ -88,13 +88,14 @@ def test_gated_operand_equals_quantizing_the_gated_activation(dtype, rac):
 
 
 @pytest.mark.parametrize("k,order", [(48, "pairs"), (384, "wgmma"), (768, "wgmma")])
-@pytest.mark.parametrize("rac", ["none", "plan", "dynamic", "4over6"])
+@pytest.mark.parametrize("rac", ["none", "plan", "dynamic", "4over6", "dynamic_4over6"])
 def test_a_row_in_two_pieces_gives_the_bits_of_one_padded_tile(monkeypatch, k, order, rac):
     """A whole row of K = P + a smaller power of two (768 = 512 + 256, fc2's input here) held as two unpadded
     pieces (a tile's split_row, or QUADS_ACT_SPLIT_ROW=1; by default only where no residual is written) gives the
     bits of the one tile padded to 2P (=0): the operand (gated and not, both orders) and the codes path, with a
     static RAC plan, with dynamic RAC (both pieces' blocks ranked together: rows whose second piece repeats
-    the first's values tie across the pieces, an all-zero row ties everywhere) and under 4over6."""
+    the first's values tie across the pieces, an all-zero row ties everywhere) and under 4over6 (with and without
+    dynamic RAC)."""
     g = torch.Generator().manual_seed(k)
     m = 9
     y1 = (torch.randn(m, 2 * k, generator=g) * 3).bfloat16()
@@ -111,6 +112,7 @@ def test_a_row_in_two_pieces_gives_the_bits_of_one_padded_tile(monkeypatch, k, o
         "plan": {"plan": plan},
         "dynamic": {"dynamic_channels": 16 * (k // 32)},
         "4over6": {"recipe": nvfp4.NVFP4Recipe(True, 256, "MSE")},
+        "dynamic_4over6": {"dynamic_channels": 16 * (k // 32), "recipe": nvfp4.NVFP4Recipe(True, 448, "MAE")},
     }[rac]
     monkeypatch.delenv("QUADS_ACT_SPLIT_ROW", raising=False)  # by default: where no residual is written
     assert act_quant.row_split(k, 2 * p, order) == p and act_quant.row_split(k, p, order) == 0
