@@ -378,9 +378,10 @@ def act_quant_config(
     given: ActQuantConfig | None = None,
 ) -> ActQuantConfig:
     """The activation quantization's tiles for x of rows rows and inner size K (after SiLU*up fusion),
-    with a static RAC plan, dynamic RAC channels or neither; fields set in given win. block_k: the
-    whole row (K rounded up to a power of two) up to whole_row_max_k or with dynamic RAC (it selects
-    per row), else chunk_k."""
+    with a static RAC plan, dynamic RAC channels or neither (rules state `rac` for either, `dynamic` for the
+    latter); fields set in given win. block_k: the whole row (K rounded up to a power of two) up to
+    whole_row_max_k or with dynamic RAC (it selects per row), else chunk_k; split_row: the rule's, if it states
+    one (else None: act_quant.row_split's default)."""
     entry = device_entry("act_quant", device)
     tile = match_rule("act_quant", device, rows=rows, rac=plan or dynamic, dynamic=dynamic, gated=gated)[1]["tile"]
     whole = dynamic or k <= entry["whole_row_max_k"]
