@@ -67,9 +67,12 @@ def _scale_to_e2m1(x0, x1, sb, s_dec, BLOCK_M: tl.constexpr, BLOCK_K: tl.constex
     [BLOCK_M]), clamped to [-6, 6]."""
     HALF: tl.constexpr = BLOCK_K // 2
     NB: tl.constexpr = BLOCK_K // 16
+    # where the block's reciprocal is computed sets how many copies of it a thread makes (offline sm_90 counts,
+    # dev/sass_act_quant.py): on [BLOCK_M, NB] Triton lays the division out as the elements, which holds each
+    # block once a thread only from 128 blocks up; on [BLOCK_M, NB, 1] as the block reduction (fewer below that)
     if NB >= 128:
         enc = tl.minimum(tl.div_rn(tl.full(sb.shape, 1.0, tl.float32), sb * s_dec[:, None]), FP32_MAX)[:, :, None]
-    else:  # the division on [BLOCK_M, NB, 1]: Triton then lays it out as the block reduction (fewer copies per thread)
+    else:
         d = (sb * s_dec[:, None])[:, :, None]
         enc = tl.minimum(tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d), FP32_MAX)
     enc_full = tl.reshape(tl.broadcast_to(enc, (BLOCK_M, NB, 8)), (BLOCK_M, HALF))

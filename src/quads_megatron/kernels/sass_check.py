@@ -412,8 +412,14 @@ def compile_act_quant_sm90(k: int, warps: int, split_k: int = 0, rac: str = "non
         BLOCK_K=triton.next_power_of_2(k), SPLIT_K=split_k, HAS_TM=False, TM_BM=1, TM_BLOCK_E=2, TM_BLOCK_P=64,
         HAS_ROUTE=False, R_TOPK=1, R_BLOCK=16, R_NB=2, R_HISTOGRAM=True, PDL=True,
     )  # fmt: skip
-    types = {"x_ptr": "*bf16", "op_ptr": "*fp16", "sdec_ptr": "*fp32", "amax_ptr": "*fp32", "valid_ptr": "*i8"}
-    types["mask_ptr"] = "*i8"
+    types = {
+        "x_ptr": "*bf16",
+        "op_ptr": "*fp16",
+        "sdec_ptr": "*fp32",
+        "amax_ptr": "*fp32",
+        "valid_ptr": "*i8",
+        "mask_ptr": "*i8",
+    }
     sig = {p: "constexpr" if p in consts else types.get(p, "*i32") if p.endswith("_ptr") else "i32" for p in params}
     # pointers and the row stride divisible by 16, as Triton's JIT specializes them at the block's shapes
     attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in params if p.endswith("_ptr") or p == "stride_xm"}
