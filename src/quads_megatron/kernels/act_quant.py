@@ -126,9 +126,9 @@ def _encode_values(
     BLOCK_K: tl.constexpr,
 ):
     """NVFP4-encode columns [k0, k0+BLOCK_K) of BLOCK_M rows (x0/x1: even/odd fp32 [BLOCK_M, BLOCK_K/2]):
-    stores codes and scales (not OPERAND) and returns the values value(q) * s_b (fp32, exact), even/odd.
-    FOUR_OVER_SIX (FOS_MSE, E4M3_MAX): the 4over6 recipe, whose candidate error also reads the rows' global
-    amax [BLOCK_M]."""
+    stores codes and scales (not OPERAND) and returns the E2M1 values value(q) (fp32, even/odd) and the block
+    scales s_b (fp32 [BLOCK_M, BLOCK_K/16]). FOUR_OVER_SIX (FOS_MSE, E4M3_MAX): the 4over6 recipe, whose
+    candidate error also reads the rows' global amax [BLOCK_M]."""
     HALF: tl.constexpr = BLOCK_K // 2
     NB: tl.constexpr = BLOCK_K // 16
     if OPERAND:  # values only: E2M1 rounding without the codes
@@ -147,17 +147,22 @@ def _encode_values(
         tl.store(codes_ptr + rows64[:, None] * (K // 2) + pairs[None, :], packed.to(tl.uint8), mask=pmask)
         tl.store(scales_ptr + rows64[:, None] * (K // 16) + blocks[None, :], sb_code.to(tl.uint8), mask=bmask)
         q0, q1 = e2m1_value(packed & 15), e2m1_value(packed >> 4)
-    sb_full = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
-    return q0 * sb_full, q1 * sb_full
+    return q0, q1, sb
 
 
 @triton.jit
-def _residual_inputs(x0, x1, v0, v1, s_dec):
-    """(d0, d1, u0, u1) for _residual_store from x and its values v (even/odd fp32 [BLOCK_M, BLOCK_K/2]): the
-    residual d = x - v * S_dec (fp32) and the operand's fp16 values u = fp16(v * 2^-7) (exact)."""
-    d0 = x0 - v0 * s_dec[:, None]
-    d1 = x1 - v1 * s_dec[:, None]
-    return d0, d1, (v0 * 0.0078125).to(tl.float16), (v1 * 0.0078125).to(tl.float16)
+def _residual_inputs(x0, x1, q0, q1, sb, s_dec, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(d0, d1, u0, u1) for _residual_store from x and its encoding (_encode_values: E2M1 values q, even/odd fp32
+    [BLOCK_M, BLOCK_K/2], block scales sb): the residual d = x - v * S_dec (fp32) of the values v = q * s_b, and
+    the operand's fp16 values u = fp16(q * (s_b * 2^-7)) = fp16(v * 2^-7) (exact products: E2M1 x E4M3 fits fp32,
+    the power of two stays normal; one multiply an element where no residual is formed)."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    NB: tl.constexpr = BLOCK_K // 16
+    sb_full = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
+    sb7_full = tl.reshape(tl.broadcast_to((sb * 0.0078125)[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
+    d0 = x0 - (q0 * sb_full) * s_dec[:, None]
+    d1 = x1 - (q1 * sb_full) * s_dec[:, None]
+    return d0, d1, (q0 * sb7_full).to(tl.float16), (q1 * sb7_full).to(tl.float16)
 
 
 @triton.jit
@@ -204,10 +209,12 @@ def _residual_store(
             ry0, ry1, _, rsb = nvfp4_block_scaled_recipe(
                 r0, r1, s_enc, s_dec, amax, FOUR_OVER_SIX, E4M3_MAX, FOS_MSE, BLOCK_M, BLOCK_K
             )
-            rsb_full = tl.reshape(tl.broadcast_to(rsb[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
+            # value(q_r) * s_r * 2^-7 with s_r * 2^-7 once a block: the same exact product (E2M1 x E4M3 fits fp32;
+            # the power of two stays normal)
+            rsb_full = tl.reshape(tl.broadcast_to((rsb * 0.0078125)[:, :, None], (BLOCK_M, NB, 8)), (BLOCK_M, HALF))
             # fp16(a) + fp16(r) rounded once to fp16: what the GEMM's in-register fold computes
-            rv0 = (e2m1_round(ry0) * rsb_full * 0.0078125).to(tl.float16).to(tl.float32)
-            rv1 = (e2m1_round(ry1) * rsb_full * 0.0078125).to(tl.float16).to(tl.float32)
+            rv0 = (e2m1_round(ry0) * rsb_full).to(tl.float16).to(tl.float32)
+            rv1 = (e2m1_round(ry1) * rsb_full).to(tl.float16).to(tl.float32)
             u0 = (u0.to(tl.float32) + rv0).to(tl.float16)
             u1 = (u1.to(tl.float32) + rv1).to(tl.float16)
         else:
@@ -267,12 +274,12 @@ def _encode_store_chunk(
     """Encode and store columns [k0, k0+BLOCK_K) of BLOCK_M rows (_encode_values, then _residual_store) with
     the blocks a static plan (mask_ptr) selects or (DYNAMIC: the whole row in this tile) this row's own."""
     NB: tl.constexpr = BLOCK_K // 16
-    v0, v1 = _encode_values(
+    q0, q1, sb = _encode_values(
         x0, x1, k0, rows64, rmask, s_enc, s_dec, amax, codes_ptr, scales_ptr, K, OPERAND, FOUR_OVER_SIX, FOS_MSE,
         E4M3_MAX, BLOCK_M, BLOCK_K,
     )  # fmt: skip
-    d0, d1, u0, u1 = _residual_inputs(x0, x1, v0, v1, s_dec)
-    sel = v0  # not read without a residual
+    d0, d1, u0, u1 = _residual_inputs(x0, x1, q0, q1, sb, s_dec, BLOCK_M, BLOCK_K)
+    sel = sb  # not read without a residual
     if HAS_RES:
         if DYNAMIC:  # whole row in registers: pick this token's blocks
             sel = _dynamic_selection(_block_scores(d0, d1, k0, K, BLOCK_M, BLOCK_K), n_sel, BLOCK_M, NB)
@@ -424,16 +431,16 @@ def _act_quant_kernel(
         tl.store(sdec_ptr + rows, s_dec, mask=rmask)
         if SPLIT_K > 0 and DYNAMIC:  # both pieces' values and scores first: the row's blocks ranked together
             REST: tl.constexpr = K - SPLIT_K
-            va0, va1 = _encode_values(
+            qa0, qa1, sba = _encode_values(
                 x0, x1, 0, rows64, rmask, s_enc, s_dec, amax, codes_ptr, scales_ptr, K, OPERAND, FOUR_OVER_SIX,
                 FOS_MSE, E4M3_MAX, BLOCK_M, SPLIT_K,
             )  # fmt: skip
-            vb0, vb1 = _encode_values(
+            qb0, qb1, sbb = _encode_values(
                 y0, y1, SPLIT_K, rows64, rmask, s_enc, s_dec, amax, codes_ptr, scales_ptr, K, OPERAND, FOUR_OVER_SIX,
                 FOS_MSE, E4M3_MAX, BLOCK_M, REST,
             )  # fmt: skip
-            da0, da1, ua0, ua1 = _residual_inputs(x0, x1, va0, va1, s_dec)
-            db0, db1, ub0, ub1 = _residual_inputs(y0, y1, vb0, vb1, s_dec)
+            da0, da1, ua0, ua1 = _residual_inputs(x0, x1, qa0, qa1, sba, s_dec, BLOCK_M, SPLIT_K)
+            db0, db1, ub0, ub1 = _residual_inputs(y0, y1, qb0, qb1, sbb, s_dec, BLOCK_M, REST)
             sel_a, sel_b = _dynamic_selection_two(
                 _block_scores(da0, da1, 0, K, BLOCK_M, SPLIT_K),
                 _block_scores(db0, db1, SPLIT_K, K, BLOCK_M, REST),
