@@ -522,8 +522,9 @@ def measure(tokens: int, shape: dict, inp: dict, sgl: SGLangMoE | None, args, lo
 
     fns = {"ours": ours(), "ours_rac50": ours(rac_dyn), "ours_rac50_static": ours(rac_static)}
 
-    def ours_with_env(name: str, value: str, r: moe.LayerRAC | None = None):  # the block with one of its switches
-        r = r or moe.LayerRAC()  # set for the call (an A/B arm)
+    # the block (with r's RAC) with one of its switches set for the call: an A/B arm
+    def ours_with_env(name: str, value: str, r: moe.LayerRAC | None = None):
+        r = r or moe.LayerRAC()
 
         def run():
             kept = os.environ.get(name)

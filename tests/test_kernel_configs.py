@@ -32,8 +32,14 @@ def _rows_grid(rules: list[dict]) -> list[int]:
 
 
 def _fact_grid(kind: str):
-    fact_of = {"max_k": "k", "n_multiple_of": "n", "out_bytes": "out_bytes"}
-    fact_of |= {"rac": "rac", "dynamic": "dynamic", "gated": "gated"}
+    fact_of = {
+        "max_k": "k",
+        "n_multiple_of": "n",
+        "out_bytes": "out_bytes",
+        "rac": "rac",
+        "dynamic": "dynamic",
+        "gated": "gated",
+    }
     names = [fact_of[c] for c in tile_configs.CONDITIONS[kind] if c in fact_of]
     for values in itertools.product(*(FACTS[c] for c in names)):
         yield dict(zip(names, values, strict=True))
