@@ -1,5 +1,5 @@
-# Sourced by the bare-machine scripts (bare_decode.sh, bare_prefill.sh) from the checkout's root, with the
-# script's SECONDS as $1: the machine's own torch and Triton on this checkout's src/ (and benchmarks/), $OUT,
+# Sourced by the bare-machine scripts (bare_decode.sh, bare_prefill.sh, bare_rac.sh) from the checkout's root,
+# with the script's SECONDS as $1: the machine's own torch and Triton on this checkout's src/ (and benchmarks/), $OUT,
 # the GPU's name and versions in $OUT/gpu.txt, and `part NAME SHARE CMD...`: CMD under a timeout of SHARE% of
 # SECONDS (default 540), logged to $OUT/NAME.log, one summary line.
 export TRITON_INTERPRET=0 PYTHONPATH="$PWD/src:$PWD/benchmarks" PYTHONUNBUFFERED=1
